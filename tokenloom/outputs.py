@@ -1,0 +1,110 @@
+"""Data that crosses boundaries: runner -> scheduler -> engine -> user.
+
+All plain dataclasses with typed fields so msgspec can move them between
+processes without pickle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenloom.request import FinishReason
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs at one generated position.
+
+    ``token_ids[0]``/``logprobs[0]`` are the sampled token; the rest are the
+    top-k alternatives in descending order. ``sampled_rank`` is the sampled
+    token's 1-based rank in the whole vocabulary.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one forward pass produced, indexed like ``req_ids``.
+
+    ``sampled_token_ids[i]`` is empty for a partial prefill; with speculative
+    decoding it holds the accepted drafts plus one bonus token.
+    ``logprobs[i]`` has one entry per sampled token when the request asked.
+    """
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot taken each step, turned into Prometheus metrics elsewhere.
+
+    The prefix-cache and preemption figures count what happened since the
+    previous snapshot (tokens for the cache), so consumers add them up.
+    """
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class EngineCoreOutput:
+    """New tokens of one request from one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    new_logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """Everything one step produced for one client."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    finished_requests: set[str] | None = None
+    timestamp: float = 0.0
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt (there are ``n`` of them)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # One dict per generated token: token id -> logprob (sampled token and top-k).
+    logprobs: list[dict[int, float]] | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLM.generate`` returns for one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    num_cached_tokens: int = 0

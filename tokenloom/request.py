@@ -1,0 +1,133 @@
+"""A request as the scheduler sees it: token ids, progress and status."""
+
+from __future__ import annotations
+
+import enum
+import sys
+import time
+
+from tokenloom.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended, as reported to clients (OpenAI's finish_reason)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Every value above PREEMPTED is a finished state."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> FinishReason | None:
+        return _FINISHED_REASONS.get(status)
+
+
+_FINISHED_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    # A request refused before it ran (e.g. a prompt longer than the context).
+    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+}
+
+
+class Request:
+    """One sequence being generated.
+
+    ``num_computed_tokens`` counts tokens whose KV is (or is being, this step)
+    written to the cache; the scheduler advances it when it schedules tokens.
+    ``spec_token_ids`` holds draft tokens proposed for the next step.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        client_index: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.client_index = client_index
+        # Separates prefix caches: requests with different salts never share blocks.
+        self.cache_salt = cache_salt
+
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self._output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.spec_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.max_tokens = (
+            sampling_params.max_tokens if sampling_params.max_tokens is not None else sys.maxsize
+        )
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self._output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(id={self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )
