@@ -93,6 +93,9 @@ class Request:
             sampling_params.max_tokens if sampling_params.max_tokens is not None else sys.maxsize
         )
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        # Hashes of the full blocks of all_token_ids, extended by the KV cache
+        # manager as tokens arrive; they survive preemption.
+        self.block_hashes: list[object] = []
 
     @property
     def output_token_ids(self) -> list[int]:
