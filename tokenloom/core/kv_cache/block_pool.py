@@ -1,0 +1,92 @@
+"""The pool of physical KV blocks: free queue, reference counts and the prefix cache map."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tokenloom.core.kv_cache.block import KVCacheBlock
+from tokenloom.core.kv_cache.free_queue import FreeBlockQueue
+from tokenloom.core.kv_cache.hashing import BlockHash
+
+
+class BlockPool:
+    """Owns every block. Block 0 is the reserved null block and is never handed out.
+
+    A block is *free* when its ref_cnt is 0; it then sits in the LRU free queue,
+    possibly still carrying its hash so a later request can hit it. Popping a
+    hashed block for reuse evicts it from ``cached``.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        # Exact prefix identity -> the one block registered for it.
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        usable = self.num_blocks - 1
+        return (usable - len(self.free_queue)) / usable
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Take ``n`` free blocks (LRU first), evicting their hashes; each gets ref_cnt 1."""
+        blocks = self.free_queue.popleft_n(n)
+        cached = self.cached
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is not None:
+                if cached.get(block_hash) is block:
+                    del cached[block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference on each block, pulling free ones out of the queue."""
+        queue = self.free_queue
+        for block in blocks:
+            if block.ref_cnt == 0:
+                queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each block; those reaching 0 join the queue tail in order."""
+        append = self.free_queue.append
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                append(block)
+            elif block.ref_cnt < 0:
+                raise RuntimeError(f"block {block.block_id} freed more often than allocated")
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Register a full block under ``block_hash``; False if that prefix is already cached."""
+        if block_hash in self.cached:
+            return False
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash; refused (False, nothing changed) while any block is in use."""
+        if len(self.free_queue) != self.num_blocks - 1:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True
