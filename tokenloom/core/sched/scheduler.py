@@ -1,0 +1,487 @@
+"""The continuous-batching scheduler.
+
+There is no prefill or decode phase: each step every request gets the tokens
+that bring ``num_computed_tokens`` up to ``num_tokens`` (plus draft tokens),
+RUNNING requests first in admission order, then WAITING ones in queue order,
+within one token budget (``max_num_batched_tokens``) and ``max_num_seqs``.
+When the KV cache runs out while scheduling a running request, the
+lowest-priority running request is preempted (its blocks are freed and it is
+recomputed later); no waiting request is admitted in a step that preempted.
+
+Safety net for requests that can never run: a prompt longer than
+``max_model_len``, a request needing more blocks than the whole cache holds,
+or (chunked prefill off) a prompt larger than ``max_num_batched_tokens`` is
+finished as ``FINISHED_IGNORED`` instead of waiting forever; the next
+``update_from_output`` reports it with ``finish_reason=LENGTH`` and no tokens.
+The frontend normally rejects such requests before they get here.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.core.kv_cache.manager import KVCacheManager
+from tokenloom.core.sched.interface import SchedulerInterface
+from tokenloom.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenloom.core.sched.request_queue import RequestQueue, create_request_queue
+from tokenloom.core.sched.stop_checker import append_until_stop
+from tokenloom.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    SchedulerStats,
+)
+from tokenloom.request import FinishReason, Request, RequestStatus
+
+_RUNNING = RequestStatus.RUNNING
+_WAITING = RequestStatus.WAITING
+_PREEMPTED = RequestStatus.PREEMPTED
+
+
+class Scheduler(SchedulerInterface):
+    """Iteration-level scheduler over a paged KV cache with prefix caching."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        max_model_len: int,
+        num_speculative_tokens: int = 0,
+        log_stats: bool = False,
+    ) -> None:
+        if cache_config.num_blocks is None:
+            raise ValueError(
+                "num_blocks must be set in CacheConfig before building the Scheduler "
+                "(the engine sizes the KV cache first)"
+            )
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = max_model_len
+        self.num_speculative_tokens = num_speculative_tokens
+        self.log_stats = log_stats
+
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=cache_config.num_blocks,
+            block_size=cache_config.block_size,
+            max_model_len=max_model_len,
+            enable_caching=cache_config.enable_prefix_caching,
+        )
+        self.block_size = cache_config.block_size
+        # Every block a single request could ever hold (the null block excluded).
+        self._capacity_blocks = self.kv_cache_manager.num_free_blocks
+
+        self.requests: dict[str, Request] = {}
+        self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        # Ids finished since the last SchedulerOutput (sent so the runner drops them).
+        self.finished_req_ids: set[str] = set()
+        # Requests finished as FINISHED_IGNORED, reported by the next update_from_output.
+        self._ignored: list[Request] = []
+        # Running requests preempted outside schedule() (reset_prefix_cache).
+        self._preempted_outside: set[str] = set()
+
+        chunked = scheduler_config.enable_chunked_prefill
+        threshold = scheduler_config.long_prefill_token_threshold
+        # The threshold caps prefill chunks, so it only applies when chunking is on.
+        self._chunk_cap = threshold if (chunked and threshold > 0) else sys.maxsize
+        self._priority = scheduler_config.policy == "priority"
+
+        # Counted since the previous make_stats().
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        self._num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: Request) -> None:
+        if self._unservable(request):
+            self._ignore(request)
+            return
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], finished_status: RequestStatus
+    ) -> None:
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status must be a finished status, got {finished_status!r}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        running_gone: set[Request] = set()
+        waiting_gone: list[Request] = []
+        for req_id in request_ids:
+            request = self.requests.pop(req_id, None)
+            if request is None:
+                continue
+            if request.status == _RUNNING:
+                running_gone.add(request)
+                self.kv_cache_manager.free(request)
+            else:
+                waiting_gone.append(request)
+            request.status = finished_status
+            request.spec_token_ids = []
+            self.finished_req_ids.add(req_id)
+        if running_gone:
+            self.running = [r for r in self.running if r not in running_gone]
+        if waiting_gone:
+            self.waiting.remove(waiting_gone)
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Drafts for running requests, verified next step (truncated to num_speculative_tokens)."""
+        limit = self.num_speculative_tokens or sys.maxsize
+        requests = self.requests
+        for req_id, drafts in draft_token_ids.items():
+            request = requests.get(req_id)
+            if request is None or request.status != _RUNNING:
+                continue
+            request.spec_token_ids = list(drafts[:limit])
+
+    def get_request_counts(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    def has_finished_requests(self) -> bool:
+        return bool(self.finished_req_ids) or bool(self._ignored)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.scheduler_config.max_num_batched_tokens
+        chunk_cap = self._chunk_cap
+        max_model_len = self.max_model_len
+        allocate = self.kv_cache_manager.allocate_slots
+        running = self.running
+
+        num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        preempted_ids: set[str] = self._preempted_outside
+        self._preempted_outside = set()
+        # Column-wise CachedRequestData for running requests, plus the request
+        # objects so a victim scheduled earlier in this step can be taken out.
+        sched_running: list[Request] = []
+        cached_ids: list[str] = []
+        cached_blocks: list[list[int] | None] = []
+        cached_computed: list[int] = []
+
+        index = 0
+        while index < len(running) and token_budget > 0:
+            request = running[index]
+            num_computed = request.num_computed_tokens
+            num_tokens = request.num_tokens
+            spec = request.spec_token_ids
+            num_new = num_tokens + len(spec) - num_computed
+            if num_new > chunk_cap:
+                num_new = chunk_cap
+            if num_new > token_budget:
+                num_new = token_budget
+            if num_new > max_model_len - num_computed:
+                num_new = max_model_len - num_computed
+            if num_new <= 0:
+                index += 1
+                continue
+            # Draft tokens get slots as lookahead so the manager never caches
+            # blocks holding unverified tokens.
+            num_spec = num_computed + num_new - num_tokens
+            if num_spec < 0:
+                num_spec = 0
+            new_blocks = allocate(request, num_new - num_spec, 0, None, num_spec)
+            while new_blocks is None:
+                victim_index = self._pick_victim()
+                victim = running[victim_index]
+                self._preempt(victim_index)
+                preempted_ids.add(victim.request_id)
+                if victim is request:
+                    break
+                if victim_index < index:
+                    index -= 1
+                if victim.request_id in num_scheduled:
+                    token_budget += self._unschedule(
+                        victim, sched_running, cached_ids, cached_blocks, cached_computed,
+                        num_scheduled, spec_tokens,
+                    )  # fmt: skip
+                new_blocks = allocate(request, num_new - num_spec, 0, None, num_spec)
+            if new_blocks is None:
+                break
+            req_id = request.request_id
+            sched_running.append(request)
+            cached_ids.append(req_id)
+            cached_blocks.append(new_blocks.get_block_ids() or None)
+            cached_computed.append(num_computed)
+            num_scheduled[req_id] = num_new
+            token_budget -= num_new
+            request.num_computed_tokens = num_computed + num_new
+            if num_spec:
+                if num_spec < len(spec):
+                    spec = spec[:num_spec]
+                    request.spec_token_ids = spec
+                spec_tokens[req_id] = spec
+            index += 1
+
+        new_reqs: list[NewRequestData] = []
+        new_token_ids: list[list[int]] = [[] for _ in cached_ids]
+        resumed_ids: set[str] = set()
+        if not preempted_ids and self.waiting:
+            token_budget = self._admit_waiting(
+                token_budget, num_scheduled, new_reqs, resumed_ids,
+                cached_ids, cached_blocks, cached_computed, new_token_ids,
+            )  # fmt: skip
+
+        num_common = 0
+        if running and len(num_scheduled) == len(running):
+            num_common = self.kv_cache_manager.get_num_common_prefix_blocks(running[0].request_id)
+        finished = self.finished_req_ids
+        self.finished_req_ids = set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=cached_ids,
+                resumed_req_ids=resumed_ids,
+                new_token_ids=new_token_ids,
+                new_block_ids=cached_blocks,
+                num_computed_tokens=cached_computed,
+            ),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.scheduler_config.max_num_batched_tokens - token_budget,
+            scheduled_spec_decode_tokens=spec_tokens,
+            num_common_prefix_blocks=num_common,
+            preempted_req_ids=preempted_ids,
+            finished_req_ids=finished,
+        )
+
+    def _admit_waiting(
+        self,
+        token_budget: int,
+        num_scheduled: dict[str, int],
+        new_reqs: list[NewRequestData],
+        resumed_ids: set[str],
+        cached_ids: list[str],
+        cached_blocks: list[list[int] | None],
+        cached_computed: list[int],
+        new_token_ids: list[list[int]],
+    ) -> int:
+        """Admit waiting requests in queue order; returns the budget left.
+
+        Stops at the first request that does not fit (no reordering), so a
+        large prompt is not overtaken by smaller ones behind it.
+        """
+        config = self.scheduler_config
+        chunked = config.enable_chunked_prefill
+        caching = self.cache_config.enable_prefix_caching
+        manager = self.kv_cache_manager
+        waiting = self.waiting
+        running = self.running
+        while waiting and token_budget > 0 and len(running) < config.max_num_seqs:
+            request = waiting.peek()
+            if self._unservable(request):
+                waiting.pop()
+                self._ignore(request)
+                continue
+            if caching:
+                computed_blocks, num_cached = manager.get_computed_blocks(request)
+            else:
+                computed_blocks, num_cached = None, 0
+            num_new = request.num_tokens - num_cached
+            if chunked:
+                num_new = min(num_new, self._chunk_cap, token_budget)
+            elif num_new > config.max_num_batched_tokens:
+                waiting.pop()
+                self._ignore(request)
+                continue
+            elif num_new > token_budget:
+                break
+            if manager.allocate_slots(request, num_new, num_cached, computed_blocks) is None:
+                break
+            waiting.pop()
+            running.append(request)
+            req_id = request.request_id
+            if caching:
+                self._prefix_queries += request.num_tokens
+                self._prefix_hits += num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            if request.status == _WAITING:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=req_id,
+                        prompt_token_ids=request.prompt_token_ids,
+                        sampling_params=request.sampling_params,
+                        block_ids=manager.get_block_ids(req_id),
+                        num_computed_tokens=num_cached,
+                    )
+                )
+            else:
+                resumed_ids.add(req_id)
+                cached_ids.append(req_id)
+                cached_blocks.append(manager.get_block_ids(req_id))
+                cached_computed.append(num_cached)
+                new_token_ids.append(list(request.output_token_ids))
+            request.status = _RUNNING
+            request.num_computed_tokens = num_cached + num_new
+            num_scheduled[req_id] = num_new
+            token_budget -= num_new
+        return token_budget
+
+    def _unservable(self, request: Request) -> bool:
+        num_tokens = request.num_tokens
+        return (
+            num_tokens > self.max_model_len
+            or -(-num_tokens // self.block_size) > self._capacity_blocks
+        )
+
+    def _ignore(self, request: Request) -> None:
+        """Finish a request that can never run; reported by the next update_from_output."""
+        request.status = RequestStatus.FINISHED_IGNORED
+        self.requests.pop(request.request_id, None)
+        self.finished_req_ids.add(request.request_id)
+        self._ignored.append(request)
+
+    def _pick_victim(self) -> int:
+        """Index in ``running`` of the request to preempt: the last one under FCFS,
+        the highest ``(priority, arrival_time)`` under the priority policy."""
+        running = self.running
+        if not self._priority:
+            return len(running) - 1
+        return max(
+            range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time)
+        )
+
+    def _preempt(self, index: int) -> None:
+        """Free a running request's blocks and put it back in front of the queue."""
+        request = self.running.pop(index)
+        self.kv_cache_manager.free(request)
+        request.status = _PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.spec_token_ids = []
+        self._num_preemptions += 1
+        self.waiting.prepend(request)
+
+    @staticmethod
+    def _unschedule(
+        victim: Request,
+        sched_running: list[Request],
+        cached_ids: list[str],
+        cached_blocks: list[list[int] | None],
+        cached_computed: list[int],
+        num_scheduled: dict[str, int],
+        spec_tokens: dict[str, list[int]],
+    ) -> int:
+        """Take a victim scheduled earlier in this step out of the step; returns its tokens."""
+        i = sched_running.index(victim)
+        del sched_running[i], cached_ids[i], cached_blocks[i], cached_computed[i]
+        spec_tokens.pop(victim.request_id, None)
+        return num_scheduled.pop(victim.request_id)
+
+    # ------------------------------------------------------------------ outputs
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        requests = self.requests
+        index_of = model_runner_output.req_id_to_index
+        sampled_all = model_runner_output.sampled_token_ids
+        logprobs_all = model_runner_output.logprobs
+        spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
+        max_model_len = self.max_model_len
+
+        per_client: dict[int, list[EngineCoreOutput]] = {}
+        client = -1
+        client_outputs: list[EngineCoreOutput] = []
+        finished: list[Request] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = requests.get(req_id)
+            # Finished, aborted or preempted since schedule(): nothing to apply.
+            if request is None or request.status != _RUNNING:
+                continue
+            index = index_of.get(req_id)
+            sampled = sampled_all[index] if index is not None else []
+            if request.spec_token_ids:
+                request.spec_token_ids = []
+            if spec_scheduled:
+                drafts = spec_scheduled.get(req_id)
+                if drafts:
+                    accepted = len(sampled) - 1 if sampled else 0
+                    request.num_computed_tokens -= len(drafts) - accepted
+            if not sampled:
+                continue  # a partial prefill produces no token
+            new_tokens = append_until_stop(request, sampled, max_model_len)
+            logprobs = (
+                logprobs_all[index] if logprobs_all is not None and index is not None else None
+            )
+            if logprobs is not None and len(logprobs) > len(new_tokens):
+                logprobs = logprobs[: len(new_tokens)]
+            reason = None
+            if request.status != _RUNNING:
+                finished.append(request)
+                reason = request.get_finished_reason()
+            if request.client_index != client:
+                client = request.client_index
+                client_outputs = per_client.setdefault(client, [])
+            client_outputs.append(
+                EngineCoreOutput(
+                    req_id,
+                    new_tokens,
+                    reason,
+                    request.stop_reason if reason is not None else None,
+                    request.num_cached_tokens,
+                    logprobs,
+                )
+            )
+
+        if finished:
+            free = self.kv_cache_manager.free
+            for request in finished:
+                free(request)
+                del requests[request.request_id]
+                self.finished_req_ids.add(request.request_id)
+            gone = set(finished)
+            self.running = [r for r in self.running if r not in gone]
+
+        if self._ignored:
+            for request in self._ignored:
+                per_client.setdefault(request.client_index, []).append(
+                    EngineCoreOutput(request.request_id, [], FinishReason.LENGTH)
+                )
+            self._ignored = []
+
+        result = {c: EngineCoreOutputs(outputs=outs) for c, outs in per_client.items()}
+        if self.log_stats:
+            # Stats hold deltas, so they ride on one client's outputs only.
+            first = min(result) if result else 0
+            result.setdefault(first, EngineCoreOutputs()).scheduler_stats = self.make_stats()
+        return result
+
+    # ------------------------------------------------------------------ misc
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget cached blocks. With ``reset_running_requests``, running requests are
+        preempted first (reported in the next step's ``preempted_req_ids``, which
+        then admits nothing) so that every block can be released."""
+        if reset_running_requests:
+            while self.running:
+                self._preempted_outside.add(self.running[-1].request_id)
+                self._preempt(len(self.running) - 1)
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats | None:
+        """Gauges now, and prefix-cache/preemption counts since the previous call."""
+        if not self.log_stats:
+            return None
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=self._prefix_queries,
+            prefix_cache_hits=self._prefix_hits,
+            num_preemptions=self._num_preemptions,
+        )
+        self._prefix_queries = self._prefix_hits = self._num_preemptions = 0
+        return stats
+
+    def shutdown(self) -> None:
+        """Nothing to release: the scheduler owns no threads, files or devices."""
