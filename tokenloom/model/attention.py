@@ -1,0 +1,238 @@
+"""Paged attention over a flattened ragged batch.
+
+The runner concatenates every request's new tokens (no padding) and describes
+the batch once per step with ``AttentionMetadata.build(query_lens, seq_lens,
+block_table, slot_mapping, block_size)``:
+
+- request ``i`` (batch order) owns ``query_lens[i]`` consecutive tokens of the
+  flat batch, and its context after this step is ``seq_lens[i]`` tokens
+  (cached + new), so the new tokens sit at positions ``seq_lens[i] -
+  query_lens[i] ..  seq_lens[i] - 1``;
+- ``block_table`` is int32 ``[>= num_reqs, max_blocks]`` (row ``i`` for request
+  ``i``, padded with the null block 0); ``slot_mapping`` is int64 ``[T]``,
+  ``block_id * block_size + offset`` of each new token.
+
+Everything that depends only on the batch (which tokens are decodes, gather
+indices, masks) is computed here once and reused by every layer.
+
+Per layer, ``paged_attention`` first writes all new K/V into the cache, then
+reads context through the block tables: a request in this batch may hit
+(prefix-cache) blocks another request writes in this same step. Decodes
+(query_len 1) are batched: their blocks are gathered into one padded
+``[B, L, Hkv, D]`` tensor and attended with one masked SDPA call, the query
+heads of a KV group acting as that group's query rows. Prefill chunks go one
+SDPA call each, causal with the chunk offset by its cached context; a chunk with
+no cached context attends to its own fresh K/V without touching the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """One request with query_len > 1 (a prompt chunk or a multi-token step)."""
+
+    start: int  # first token in the flat batch
+    end: int  # one past the last
+    context_len: int  # tokens already cached before this chunk
+    seq_len: int  # context_len + (end - start)
+    # Only when context_len > 0: blocks covering seq_len, and a [q, seq_len]
+    # boolean mask (True: may attend).
+    block_ids: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step description of the flat batch, shared by all layers."""
+
+    num_tokens: int
+    block_size: int
+    slot_mapping: torch.Tensor  # int64 [T]
+    num_decodes: int
+    # Decode tokens' positions in the flat batch: a (start, stop) slice when they
+    # are contiguous, else an int64 index tensor.
+    decode_slice: tuple[int, int] | None
+    decode_token_idx: torch.Tensor | None
+    decode_block_ids: torch.Tensor | None  # int64 [B, num_blocks]
+    decode_mask: torch.Tensor | None  # bool [B, 1, 1, num_blocks * block_size]
+    prefills: list[PrefillChunk]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_size: int,
+    ) -> AttentionMetadata:
+        num_reqs = len(query_lens)
+        if len(seq_lens) != num_reqs:
+            raise ValueError(f"seq_lens has {len(seq_lens)} entries, query_lens {num_reqs}")
+        if block_table.dim() != 2 or block_table.shape[0] < num_reqs:
+            raise ValueError(
+                f"block_table must be [>= {num_reqs}, max_blocks], got {tuple(block_table.shape)}"
+            )
+        num_tokens = int(sum(query_lens))
+        if slot_mapping.numel() != num_tokens:
+            raise ValueError(
+                f"slot_mapping has {slot_mapping.numel()} entries, query_lens sum to {num_tokens}"
+            )
+        max_blocks = block_table.shape[1]
+        device = block_table.device
+
+        dec_rows: list[int] = []
+        dec_tokens: list[int] = []
+        dec_seq_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        start = 0
+        for i in range(num_reqs):
+            q, s = int(query_lens[i]), int(seq_lens[i])
+            if q < 1 or s < q:
+                raise ValueError(f"request {i}: need 1 <= query_len <= seq_len, got {q}, {s}")
+            n_blocks = -(-s // block_size)
+            if n_blocks > max_blocks:
+                raise ValueError(
+                    f"request {i}: seq_len {s} needs {n_blocks} blocks, block_table has {max_blocks}"
+                )
+            if q == 1:
+                dec_rows.append(i)
+                dec_tokens.append(start)
+                dec_seq_lens.append(s)
+            else:
+                ctx = s - q
+                block_ids = mask = None
+                if ctx > 0:
+                    block_ids = block_table[i, :n_blocks].to(torch.long)
+                    key_pos = torch.arange(s, device=device)
+                    query_pos = torch.arange(ctx, s, device=device)
+                    mask = key_pos[None, :] <= query_pos[:, None]
+                prefills.append(PrefillChunk(start, start + q, ctx, s, block_ids, mask))
+            start += q
+
+        num_decodes = len(dec_rows)
+        decode_slice = decode_token_idx = decode_block_ids = decode_mask = None
+        if num_decodes:
+            first = dec_tokens[0]
+            if dec_tokens == list(range(first, first + num_decodes)):
+                decode_slice = (first, first + num_decodes)
+            else:
+                decode_token_idx = torch.tensor(dec_tokens, dtype=torch.long, device=device)
+            n_blocks = -(-max(dec_seq_lens) // block_size)
+            if dec_rows == list(range(num_decodes)):
+                rows = block_table[:num_decodes, :n_blocks]
+            else:
+                rows = block_table[torch.tensor(dec_rows, device=device), :n_blocks]
+            decode_block_ids = rows.to(torch.long)
+            lens = torch.tensor(dec_seq_lens, device=device)
+            key_pos = torch.arange(n_blocks * block_size, device=device)
+            decode_mask = (key_pos[None, :] < lens[:, None]).view(num_decodes, 1, 1, -1)
+        return cls(
+            num_tokens=num_tokens,
+            block_size=block_size,
+            slot_mapping=slot_mapping.to(device=device, dtype=torch.long),
+            num_decodes=num_decodes,
+            decode_slice=decode_slice,
+            decode_token_idx=decode_token_idx,
+            decode_block_ids=decode_block_ids,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store this step's K/V ([T, Hkv, D]) at their slots."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """q: [B, H, D] -> [B, H, D], one masked SDPA over gathered blocks."""
+    assert meta.decode_block_ids is not None and meta.decode_mask is not None
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    flat_ids = meta.decode_block_ids.view(-1)
+    # [B, L, Hkv, D] -> [B, Hkv, L, D]
+    k = k_cache.index_select(0, flat_ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, flat_ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    # The query heads sharing a KV head become that head's query rows.
+    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask)
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: PrefillChunk,
+) -> torch.Tensor:
+    """q: [q, H, D]; k, v: this chunk's fresh [q, Hkv, D] -> [q, H, D]."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if chunk.context_len == 0:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=True,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)
+    assert chunk.block_ids is not None
+    kc = k_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)
+    vc = v_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        kc[: chunk.seq_len].transpose(0, 1),
+        vc[: chunk.seq_len].transpose(0, 1),
+        attn_mask=chunk.mask,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Attention of the flat batch. q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    num_tokens, num_heads, head_dim = q.shape
+    if meta.num_decodes == num_tokens:
+        return _decode_attention(q, k_cache, v_cache, meta).reshape(num_tokens, -1)
+
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        if meta.decode_slice is not None:
+            a, b = meta.decode_slice
+            out[a:b] = _decode_attention(q[a:b], k_cache, v_cache, meta)
+        else:
+            assert meta.decode_token_idx is not None
+            dq = q.index_select(0, meta.decode_token_idx)
+            out.index_copy_(0, meta.decode_token_idx, _decode_attention(dq, k_cache, v_cache, meta))
+    for chunk in meta.prefills:
+        s, e = chunk.start, chunk.end
+        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk)
+    return out.view(num_tokens, num_heads * head_dim)

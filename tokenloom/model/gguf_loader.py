@@ -1,0 +1,99 @@
+"""Reading llama.cpp GGUF files: metadata reader cache and dequantised weights.
+
+``iter_gguf_weights(path, arch)`` yields ``(hf_name, float32 tensor)`` pairs,
+so the model's ``load_weights`` serves GGUF and safetensors alike. Quantised
+tensors (Q4_1, Q8_0, K-quants, ...) are dequantised with ``gguf.quants``.
+
+llama.cpp's converter permutes the rows of the Q and K projections of "llama"
+models so that rotary pairs are interleaved (x0, x_{d/2}, x1, ...); we undo
+it to get back the rotate-half layout. "qwen2" files are not permuted.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenloom.model.arch_config import ModelArchConfig
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, mtime_ns: int) -> Any:
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def open_gguf(path: str | Path) -> Any:
+    """A GGUFReader, cached: parsing the metadata of a big vocabulary takes seconds."""
+    path = Path(path).resolve()
+    return _cached_reader(str(path), path.stat().st_mtime_ns)
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """GGUF tensor name -> Hugging Face name; None for tensors we do not load."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _BLOCK.match(name)
+    if match is None:
+        return None  # rope_freqs.weight is read into the arch config instead
+    layer, rest = match.groups()
+    base, _, suffix = rest.rpartition(".")
+    if base not in _BLOCK_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {name!r}")
+    return f"model.layers.{layer}.{_BLOCK_NAMES[base]}.{suffix}"
+
+
+def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row interleaving (works for weights and biases)."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    w = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return w.swapaxes(1, 2).reshape(weight.shape)
+
+
+def iter_gguf_weights(
+    path: str | Path, arch: ModelArchConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    reader = open_gguf(path)
+    gguf_arch = reader.fields["general.architecture"].contents()
+    permute = gguf_arch == "llama"
+    for tensor in reader.tensors:
+        hf_name = gguf_to_hf_name(tensor.name)
+        if hf_name is None:
+            continue
+        data = dequantize(tensor.data, tensor.tensor_type)
+        # numpy order is the reverse of GGUF's dims: [out, in] for matrices.
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        data = np.ascontiguousarray(data.reshape(shape), dtype=np.float32)
+        if permute and ".q_proj." in hf_name:
+            data = unpermute_rope_rows(data, arch.num_attention_heads)
+        elif permute and ".k_proj." in hf_name:
+            data = unpermute_rope_rows(data, arch.num_key_value_heads)
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(data))
