@@ -1,0 +1,2 @@
+"""Benchmark tools: seeded workloads, a streaming serving load generator,
+offline throughput through ``tokenloom.LLM`` and the statistics/plots they share."""
