@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from tests.core.utils import (
-    FakeRunner,
     Harness,
     assert_no_leaks,
     make_request,

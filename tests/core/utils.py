@@ -266,7 +266,8 @@ def assert_no_leaks(scheduler: Scheduler) -> None:
     assert not scheduler.has_unfinished_requests()
     manager = scheduler.kv_cache_manager
     manager.check_integrity()
-    assert manager.num_free_blocks == scheduler.cache_config.num_blocks - 1
+    num_blocks = scheduler.cache_config.num_blocks
+    assert num_blocks is not None and manager.num_free_blocks == num_blocks - 1
     assert manager.usage == 0.0
     assert all(block.ref_cnt == 0 for block in manager.block_pool.blocks)
     assert scheduler.reset_prefix_cache() is True
