@@ -91,9 +91,10 @@ def iter_gguf_weights(
         data = dequantize(tensor.data, tensor.tensor_type)
         # numpy order is the reverse of GGUF's dims: [out, in] for matrices.
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        data = np.ascontiguousarray(data.reshape(shape), dtype=np.float32)
+        # Copy out of the read-only memory map (torch wants writable arrays).
+        data = np.require(data.reshape(shape), np.float32, ["C", "W"])
         if permute and ".q_proj." in hf_name:
             data = unpermute_rope_rows(data, arch.num_attention_heads)
         elif permute and ".k_proj." in hf_name:
             data = unpermute_rope_rows(data, arch.num_key_value_heads)
-        yield hf_name, torch.from_numpy(np.ascontiguousarray(data))
+        yield hf_name, torch.from_numpy(np.require(data, np.float32, ["C", "W"]))
