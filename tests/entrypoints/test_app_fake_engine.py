@@ -1,0 +1,239 @@
+"""The HTTP layer against a model-free fake engine: formats, SSE framing, error mapping."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tokenloom.entrypoints.openai.server import build_app, default_served_model_name
+
+from .fake_engine import FakeAsyncLLM
+
+
+@pytest.fixture
+def engine() -> FakeAsyncLLM:
+    return FakeAsyncLLM()
+
+
+@pytest.fixture
+async def client(engine: FakeAsyncLLM) -> AsyncIterator[httpx.AsyncClient]:
+    app = build_app(engine, max_waiting_requests=2)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        yield c
+
+
+def events(body: str) -> list[Any]:
+    """Decode an SSE body; the final [DONE] marker is returned as the string itself."""
+    out: list[Any] = []
+    for block in body.strip().split("\n\n"):
+        assert block.startswith("data: "), block
+        data = block[len("data: ") :]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status
+    assert error["param"] == param
+    assert error["message"]
+    return error
+
+
+async def test_completion_body_and_usage(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/completions", json={"prompt": "xy", "max_tokens": 3, "n": 2})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert body["model"] == "fake-model"
+    assert [c["text"] for c in body["choices"]] == ["abc", "bcd"]
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert {c["finish_reason"] for c in body["choices"]} == {"length"}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}
+
+
+async def test_batch_of_prompts_indexes_choices_per_prompt(client: httpx.AsyncClient) -> None:
+    r = await client.post(
+        "/v1/completions", json={"prompt": ["p", "xy"], "max_tokens": 1, "n": 2, "echo": True}
+    )
+    texts = {c["index"]: c["text"] for c in r.json()["choices"]}
+    assert texts == {0: "pa", 1: "pb", 2: "xya", 3: "xyb"}
+
+
+async def test_completion_logprobs_object(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "logprobs": 1})
+    logprobs = r.json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["a", "b"]
+    assert logprobs["token_logprobs"] == [-0.5, -0.5]
+    assert logprobs["top_logprobs"] == [{"a": -0.5}, {"b": -0.5}]
+    assert logprobs["text_offset"] == [0, 1]
+
+
+async def test_completion_stream_with_usage(client: httpx.AsyncClient) -> None:
+    r = await client.post(
+        "/v1/completions",
+        json={
+            "prompt": "x",
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    assert r.headers["content-type"].startswith("text/event-stream")
+    chunks = events(r.text)
+    assert chunks[-1] == "[DONE]"
+    usage_chunk = chunks[-2]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 3
+    texts = [c["choices"][0]["text"] for c in chunks[:-2]]
+    assert "".join(texts) == "abc"
+    assert chunks[-3]["choices"][0]["finish_reason"] == "length"
+    assert all(c["usage"] is None for c in chunks[:-2])
+
+
+async def test_chat_stream_sends_role_first(client: httpx.AsyncClient) -> None:
+    r = await client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True},
+    )
+    chunks = events(r.text)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert "usage" not in chunks[0]
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[1:-1])
+    assert content == "ab"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1] == "[DONE]"
+
+
+async def test_chat_body_and_logprobs(client: httpx.AsyncClient, engine: FakeAsyncLLM) -> None:
+    r = await client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 1,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    )
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "a"}
+    entry = choice["logprobs"]["content"][0]
+    assert entry["token"] == "a" and entry["logprob"] == -0.5 and entry["bytes"] == [97]
+    assert [t["token"] for t in entry["top_logprobs"]] == ["a", "b"]
+    # The prompt went through the chat template.
+    assert body["usage"]["prompt_tokens"] == len("user: hi\nassistant:")
+
+
+@pytest.mark.parametrize(
+    ("payload", "param"),
+    [
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "top_p": 2}, "top_p"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "stop": 5}, "stop"),
+        ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": "x", "model": "other"}, "model"),
+        ({"prompt": "x" * 100}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"max_tokens": 1}, "prompt"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ],
+)
+async def test_completion_bad_inputs(
+    client: httpx.AsyncClient, engine: FakeAsyncLLM, payload: dict[str, Any], param: str
+) -> None:
+    r = await client.post("/v1/completions", json=payload)
+    assert_error(r, 400, param)
+    assert engine.finished == []
+
+
+@pytest.mark.parametrize(
+    ("payload", "param"),
+    [
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ({"messages": []}, "messages"),
+    ],
+)
+async def test_chat_bad_inputs(
+    client: httpx.AsyncClient, payload: dict[str, Any], param: str
+) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], **payload}
+    assert_error(await client.post("/v1/chat/completions", json=body), 400, param)
+
+
+async def test_invalid_json_and_non_object(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/completions", content=b"{not json")
+    assert "JSON" in assert_error(r, 400, None)["message"]
+    assert_error(await client.post("/v1/completions", json=[1, 2]), 400, None)
+
+
+async def test_waiting_limit_gives_503(client: httpx.AsyncClient, engine: FakeAsyncLLM) -> None:
+    engine.num_waiting_requests = 2
+    r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert_error(r, 503, None)
+    engine.num_waiting_requests = 1
+    r = await client.post("/v1/completions", json={"prompt": ["x", "y"], "max_tokens": 1})
+    assert_error(r, 503, None)
+    r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert r.status_code == 200
+
+
+async def test_dead_engine(client: httpx.AsyncClient, engine: FakeAsyncLLM) -> None:
+    assert (await client.get("/health")).status_code == 200
+    engine.errored = True
+    assert (await client.get("/health")).status_code == 503
+    r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert r.status_code >= 500
+
+
+async def test_engine_dying_mid_stream_ends_with_error_event() -> None:
+    engine = FakeAsyncLLM(step_delay=0.01)
+    app = build_app(engine)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+
+        async def kill_soon() -> None:
+            await asyncio.sleep(0.05)
+            engine.errored = True
+
+        killer = asyncio.create_task(kill_soon())
+        r = await client.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 60, "stream": True}
+        )
+        await killer
+    chunks = events(r.text)
+    assert chunks[-1] == "[DONE]"
+    assert chunks[-2]["error"]["code"] == 500
+    assert engine.closed == engine.started
+
+
+async def test_models_version_metrics(client: httpx.AsyncClient) -> None:
+    models = (await client.get("/v1/models")).json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == ["fake-model"]
+    assert models["data"][0]["max_model_len"] == 64
+    assert (await client.get("/version")).json()["version"]
+    r = await client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert_error(await client.get("/no/such/route"), 404, None)
+
+
+def test_default_served_model_name() -> None:
+    assert default_served_model_name(None) == "SmolLM2-135M-Instruct"
+    assert default_served_model_name("/m/SmolLM2-135M-Instruct.Q4_1.gguf") == (
+        "SmolLM2-135M-Instruct.Q4_1"
+    )
+    assert default_served_model_name("/models/Qwen2-0.5B/") == "Qwen2-0.5B"

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API: protocol models, handlers and the app factory."""

@@ -1,0 +1,329 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic models).
+
+Requests keep OpenAI's field names plus the vLLM extensions users rely on
+(top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, ...). Range
+checks are left to ``SamplingParams`` so that the server and the offline API
+reject the same values with the same messages; pydantic only checks types.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenloom.sampling_params import SamplingParams
+
+from .errors import OpenAIError
+
+# ---------------------------------------------------------------- requests
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by the completions and chat endpoints."""
+
+    # Unknown fields are ignored, as OpenAI clients send extras we do not use.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _check_common(self) -> None:
+        if self.logit_bias:
+            raise OpenAIError("logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Build SamplingParams; its ValueError (naming the field) propagates."""
+        defaults = SamplingParams.__dataclass_fields__
+        fields: dict[str, Any] = {}
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            value = getattr(self, name)
+            fields[name] = defaults[name].default if value is None else value
+        return SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            n=self.n,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            **fields,
+        )
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions. ``prompt`` may be text, token ids, or a batch of either."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a non-empty batch."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            batch: list[Any] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            batch = [prompt]
+        else:
+            batch = list(prompt)
+        if not batch:
+            raise OpenAIError("prompt must not be empty", param="prompt")
+        return batch
+
+    def to_sampling_params(self) -> SamplingParams:
+        self._check_common()
+        if self.suffix:
+            raise OpenAIError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIError("best_of must equal n (beam-like search is not supported)", "best_of")
+        if self.echo and self.logprobs is not None:
+            raise OpenAIError(
+                "echo together with logprobs is not supported: prompt logprobs are not computed",
+                param="echo",
+            )
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class TextContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """An input message. Content parts other than text are refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ResponseFormat(BaseModel):
+    type: str = "text"
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions. ``max_completion_tokens`` wins over ``max_tokens``."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    response_format: ResponseFormat | None = None
+
+    @property
+    def max_tokens_param(self) -> str:
+        """Which request field the token limit came from (for error messages)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def to_sampling_params(self) -> SamplingParams:
+        self._check_common()
+        if not self.messages:
+            raise OpenAIError("messages must not be empty", param="messages")
+        if self.tools:
+            raise OpenAIError("tools are not supported", param="tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise OpenAIError("only response_format type 'text' is supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise OpenAIError(
+                "add_generation_prompt and continue_final_message cannot both be true",
+                param="continue_final_message",
+            )
+        max_tokens = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+# --------------------------------------------------------------- responses
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class CompletionLogProbs(BaseModel):
+    """The legacy completions logprobs object: parallel lists, one entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "tokenloom"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,295 @@
+"""What the completions and chat handlers share: admission, engine calls, disconnects.
+
+The engine's ``generate`` is an async generator that aborts its request
+when it is closed or cancelled; everything here is arranged so that a
+client going away, a bad prompt, or a dead engine closes those generators
+promptly and turns into an OpenAI error rather than a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from tokenloom.engine.exceptions import EngineDeadError
+from tokenloom.outputs import RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+from .errors import OpenAIError, from_validation_error, from_value_error
+
+if TYPE_CHECKING:
+    from tokenloom.engine.async_llm import AsyncLLM
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+# SamplingParams field -> request field, for the params both endpoints share.
+SAMPLING_FIELDS = {name: name for name in SamplingParams.__dataclass_fields__}
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was ready."""
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def parse_body(raw_request: Request, model: type[M]) -> M:
+    """Parse and validate a JSON body, turning every failure into a 400."""
+    body = await raw_request.body()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise OpenAIError(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise OpenAIError("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc
+
+
+async def wait_for_disconnect(raw_request: Request) -> None:
+    """Return once the client has closed the connection (the body must be read already)."""
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(raw_request: Request, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable``, cancelling it (and raising ClientDisconnected) if the client leaves."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+        await asyncio.gather(work, watcher, return_exceptions=True)
+    if work.cancelled():
+        raise ClientDisconnected
+    return work.result()
+
+
+async def last_output(stream: AsyncIterator[T]) -> T:
+    last: T | None = None
+    async for item in stream:
+        last = item
+    if last is None:
+        raise OpenAIError("the engine produced no output", status=500)
+    return last
+
+
+async def gather_or_cancel(awaitables: Sequence[Awaitable[T]]) -> list[T]:
+    """Like gather, but the first failure cancels the rest (no orphaned requests)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def prime(stream: AsyncIterator[T]) -> AsyncIterator[T]:
+    """Wait for the first item (so errors surface before any byte is sent); replay it."""
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        raise OpenAIError("the engine produced no output", status=500) from None
+    except BaseException:
+        await _aclose(stream)
+        raise
+    return _prepend(first, stream)
+
+
+async def _prepend(first: T, stream: AsyncIterator[T]) -> AsyncIterator[T]:
+    try:
+        yield first
+        async for item in stream:
+            yield item
+    finally:
+        await _aclose(stream)
+
+
+async def _aclose(stream: AsyncIterator[Any]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def aclose_all(streams: Sequence[AsyncIterator[Any]]) -> None:
+    """Close async generators now rather than whenever they are garbage collected."""
+    for stream in streams:
+        await _aclose(stream)
+
+
+class _Failure:
+    """A stream's exception, passed through the merge queue to the consumer."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+
+async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[int, T]]:
+    """Interleave several streams as items arrive, tagging each with its stream's index."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, T] | _Failure | None] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+        except Exception as exc:
+            await queue.put(_Failure(exc))
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            entry = await queue.get()
+            if entry is None:
+                remaining -= 1
+            elif isinstance(entry, _Failure):
+                raise entry.exc
+            else:
+                yield entry
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class OpenAIServing:
+    """Engine access shared by the endpoint handlers.
+
+    ``max_waiting_requests`` bounds the requests that have not produced
+    output yet (queued in the engine or on their way to it); past it new
+    requests get 503 so that a flood cannot grow the queue without bound.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        model_name: str,
+        max_waiting_requests: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_waiting_requests = max_waiting_requests
+        self.tokenizer = engine.tokenizer
+        self._num_not_started = 0
+
+    def check_model(self, model: str | None) -> None:
+        """The served name is accepted, and so is the engine's own name (the model path)."""
+        aliases = (self.model_name, getattr(self.engine, "model_name", self.model_name))
+        if model is not None and model not in aliases:
+            raise OpenAIError(
+                f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+            )
+
+    def check_capacity(self, num_new: int) -> None:
+        """503 when admitting ``num_new`` more requests would exceed the waiting limit."""
+        if getattr(self.engine, "errored", False):
+            raise OpenAIError("the engine is dead; restart the server", status=503)
+        if self.max_waiting_requests is None:
+            return
+        waiting = max(self._num_not_started, self.engine.num_waiting_requests)
+        if waiting + num_new > self.max_waiting_requests:
+            raise OpenAIError(
+                f"server overloaded: {waiting} requests waiting "
+                f"(--max-waiting-requests {self.max_waiting_requests}); retry later",
+                status=503,
+            )
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int,
+        delta: bool,
+        fields: Mapping[str, str],
+        prompt_param: str,
+    ) -> AsyncIterator[RequestOutput]:
+        """``engine.generate`` with errors mapped to OpenAIError and admission bookkeeping."""
+        self._num_not_started += 1
+        started = False
+        stream = self.engine.generate(prompt, params, request_id, priority=priority, delta=delta)
+        try:
+            async for output in stream:
+                if not started:
+                    started = True
+                    self._num_not_started -= 1
+                yield output
+        except ValueError as exc:
+            raise from_value_error(exc, fields, prompt_param) from exc
+        except EngineDeadError as exc:
+            raise OpenAIError(f"the engine is dead: {exc}", status=500) from exc
+        finally:
+            if not started:
+                self._num_not_started -= 1
+            await _aclose(stream)
+
+    async def until_ready(
+        self,
+        raw_request: Request,
+        awaitables: Sequence[Awaitable[T]],
+        streams: Sequence[AsyncIterator[Any]],
+    ) -> list[T]:
+        """Await all of ``awaitables`` (consuming ``streams``); on any failure close every stream.
+
+        A client that disconnects meanwhile aborts the engine requests, and the
+        handler answers 499 (nobody reads it).
+        """
+        try:
+            return await unless_disconnected(raw_request, gather_or_cancel(awaitables))
+        except BaseException:
+            await aclose_all(streams)
+            raise
+
+    def token_str(self, token_id: int) -> str:
+        """The text of a single token, as logprobs report it."""
+        return str(self.tokenizer.decode([token_id]))
+
+    def prompt_text(self, prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else str(self.tokenizer.decode(prompt))
+
+
+def sse(payload: BaseModel | dict[str, Any], *, drop: Sequence[str] = ()) -> str:
+    """One server-sent event holding ``payload`` as JSON, without the ``drop`` keys."""
+    data = payload.model_dump() if isinstance(payload, BaseModel) else payload
+    for key in drop:
+        data.pop(key, None)
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    """The error event a stream ends with when generation fails after the headers went out."""
+    if isinstance(exc, OpenAIError):
+        return sse(exc.body())
+    return sse(OpenAIError(f"internal error: {exc!r}", status=500).body())
+
+
+def top_entries(logprobs: Mapping[int, float], k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely (token id, logprob) pairs, best first."""
+    return sorted(logprobs.items(), key=lambda item: item[1], reverse=True)[:k]

@@ -1,0 +1,152 @@
+"""Engine stats -> Prometheus metrics, under vLLM's metric names.
+
+``PrometheusStatLogger`` implements the engine's ``StatLogger`` protocol:
+the engine calls ``record`` after each step with a scheduler snapshot and the
+step's iteration stats. Names mirror vLLM's (``vllm:num_requests_running`` is
+``tokenloom:num_requests_running`` here) so existing dashboards carry over.
+Each logger writes to the registry it is given, so several servers (or
+tests) in one process do not collide.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tokenloom.outputs import SchedulerStats
+
+if TYPE_CHECKING:
+    from tokenloom.metrics.stats import IterationStats
+
+PREFIX = "tokenloom:"
+FINISH_REASONS = ("stop", "length", "abort")
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0)
+_REQUEST_TIME_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+def token_count_buckets(max_value: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to the first value >= ``max_value``."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for step in (1, 2, 5):
+            buckets.append(float(step * scale))
+            if step * scale >= max_value:
+                return buckets
+        scale *= 10
+
+
+class PrometheusStatLogger:
+    """Turns ``SchedulerStats`` and ``IterationStats`` into metrics labelled ``model_name``."""
+
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        max_model_len: int = 32768,
+    ) -> None:
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = ["model_name"]
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=reg)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels + list(extra), registry=reg)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge(
+            "num_requests_waiting", "Requests waiting to be scheduled."
+        )
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV cache usage, 1 means 100 percent.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the cache.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed (prefill).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.request_success = counter(
+            "request_success", "Finished requests by finish reason.", ("finished_reason",)
+        )
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens.", _ITL_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_TIME_BUCKETS
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds",
+            "Time spent waiting before first scheduled.",
+            _REQUEST_TIME_BUCKETS,
+        )
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token.", _REQUEST_TIME_BUCKETS
+        )
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "First token to last token.", _REQUEST_TIME_BUCKETS
+        )
+        count_buckets = token_count_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt length of finished requests.", count_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens of finished requests.", count_buckets
+        )
+        # Expose every finish reason from the start so rate() works on the first request.
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name, reason)
+        for metric in (
+            self.num_requests_running,
+            self.num_requests_waiting,
+            self.kv_cache_usage,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.num_preemptions,
+            self.prompt_tokens,
+            self.generation_tokens,
+        ):
+            metric.labels(model_name)
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+    ) -> None:
+        name = self.model_name
+        if scheduler_stats is not None:
+            self.num_requests_running.labels(name).set(scheduler_stats.num_running_reqs)
+            self.num_requests_waiting.labels(name).set(scheduler_stats.num_waiting_reqs)
+            self.kv_cache_usage.labels(name).set(scheduler_stats.kv_cache_usage)
+            self.prefix_cache_queries.labels(name).inc(scheduler_stats.prefix_cache_queries)
+            self.prefix_cache_hits.labels(name).inc(scheduler_stats.prefix_cache_hits)
+            self.num_preemptions.labels(name).inc(scheduler_stats.num_preemptions)
+        if iteration_stats is None:
+            return
+        self.prompt_tokens.labels(name).inc(iteration_stats.num_prompt_tokens)
+        self.generation_tokens.labels(name).inc(iteration_stats.num_generation_tokens)
+        ttft = self.time_to_first_token.labels(name)
+        for value in iteration_stats.time_to_first_tokens_iter:
+            ttft.observe(value)
+        itl = self.inter_token_latency.labels(name)
+        for value in iteration_stats.inter_token_latencies_iter:
+            itl.observe(value)
+        for finished in iteration_stats.finished_requests:
+            self.request_success.labels(name, str(finished.finish_reason)).inc()
+            self.e2e_request_latency.labels(name).observe(finished.e2e_latency)
+            self.request_queue_time.labels(name).observe(finished.queued_time)
+            self.request_prefill_time.labels(name).observe(finished.prefill_time)
+            self.request_decode_time.labels(name).observe(finished.decode_time)
+            self.request_prompt_tokens.labels(name).observe(finished.num_prompt_tokens)
+            self.request_generation_tokens.labels(name).observe(finished.num_generation_tokens)
