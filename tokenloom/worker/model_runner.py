@@ -1,0 +1,225 @@
+"""The model runner: applies a SchedulerOutput to the persistent batch, runs one
+forward pass over the flattened batch, samples, and reports the tokens.
+
+It owns the model, the paged KV cache and the persistent batch. The same code
+runs on CPU and CUDA (``ModelConfig.device``).
+
+Speculative decoding hook: drafts proposed elsewhere arrive in
+``scheduled_spec_decode_tokens``. The target token is sampled at each of the
+1 + k positions with the request's own parameters and generator; drafts are
+accepted while they equal the target's choice, and the target token at the
+first mismatch (or the bonus token after k matches) ends the list. Each kept
+token is a sample of the target model given the kept prefix, so the output
+follows the target distribution exactly.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import numpy as np
+import psutil
+import torch
+
+from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
+from tokenloom.core.sched.output import SchedulerOutput
+from tokenloom.model.arch_config import ModelArchConfig
+from tokenloom.model.attention import AttentionMetadata
+from tokenloom.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
+from tokenloom.model.llama import CausalLM
+from tokenloom.model.loader import load_model
+from tokenloom.outputs import ModelRunnerOutput, TokenLogprobs
+from tokenloom.worker.input_batch import InputBatch
+from tokenloom.worker.sampler import Sampler
+from tokenloom.worker.step_inputs import StepInputs, build_sampling_metadata, prepare_step
+
+
+class ModelRunner:
+    """Public attributes: ``model``, ``arch``, ``dtype``, ``device``, ``max_model_len``,
+    ``num_blocks`` (including the reserved null block 0), ``kv_caches``, ``input_batch``."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.block_size = cache_config.block_size
+
+        loaded = load_model(model_config)
+        self.model = cast(CausalLM, loaded.model)
+        self.arch = loaded.arch
+        self.dtype = loaded.dtype
+        self.device = loaded.device
+        self.model_path = loaded.path
+        self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.arch)
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_caches = allocate_kv_caches(
+            self.arch, self.num_blocks, self.block_size, self.dtype, self.device
+        )
+        self.input_batch = InputBatch(
+            max_num_seqs=scheduler_config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            vocab_size=self.arch.vocab_size,
+            device=self.device,
+        )
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(model_config.seed)
+        self.sampler = Sampler(generator)
+        self.eos_token_ids = tuple(self.arch.eos_token_ids)
+
+    def _num_kv_blocks(self) -> int:
+        """Explicit ``num_blocks``, else ``memory_fraction`` of free memory, capped at
+        what ``max_num_seqs`` full-length requests could use (+1 for the null block)."""
+        configured = self.cache_config.num_blocks
+        if configured is not None:
+            if configured < 2:
+                raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {configured}")
+            return configured
+        per_block = kv_cache_bytes_per_block(self.arch, self.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            free = psutil.virtual_memory().available
+        num_blocks = int(free * self.cache_config.memory_fraction) // per_block
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        num_blocks = min(num_blocks, self.scheduler_config.max_num_seqs * blocks_per_seq + 1)
+        if num_blocks < 2:
+            raise ValueError(
+                f"not enough memory for the KV cache: memory_fraction="
+                f"{self.cache_config.memory_fraction} of {free} free bytes holds {num_blocks} "
+                f"blocks of {per_block} bytes; raise memory_fraction or set num_blocks"
+            )
+        return num_blocks
+
+    # ------------------------------------------------------------------ one step
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step the scheduler decided; tokens for the requests that sample."""
+        self._apply_deltas(scheduler_output)
+        if not scheduler_output.num_scheduled_tokens:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        step = prepare_step(self.input_batch, scheduler_output)
+        with torch.inference_mode():
+            attn_metadata = AttentionMetadata.build(
+                step.query_lens.tolist(),
+                step.seq_lens.tolist(),
+                step.block_table,
+                step.slot_mapping,
+                self.block_size,
+            )
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn_metadata)
+            if len(step.row_slots) == 0:
+                return _output(step.req_ids, [[] for _ in step.req_ids], None)
+            logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
+            metadata = build_sampling_metadata(
+                self.input_batch, step.row_slots, step.row_offsets, self.eos_token_ids
+            )
+            sampled = self.sampler(logits, metadata)
+        tokens = sampled.sampled_token_ids.tolist()
+        if step.drafts:
+            return self._verify_drafts(step, tokens, sampled.logprobs)
+
+        sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
+        for i, token in zip(step.sample_idx.tolist(), tokens, strict=True):
+            sampled_ids[i] = [token]
+        self.input_batch.append_token(step.row_slots, np.asarray(tokens, dtype=np.int32))
+        logprobs: list[list[TokenLogprobs] | None] | None = None
+        if sampled.logprobs is not None:
+            logprobs = [None] * len(step.req_ids)
+            for i, entry in zip(step.sample_idx.tolist(), sampled.logprobs, strict=True):
+                if entry is not None:
+                    logprobs[i] = [entry]
+        return _output(step.req_ids, sampled_ids, logprobs)
+
+    def _verify_drafts(
+        self,
+        step: StepInputs,
+        tokens: list[int],
+        row_logprobs: list[TokenLogprobs | None] | None,
+    ) -> ModelRunnerOutput:
+        """Keep accepted drafts plus the target token at the first mismatch (or the bonus)."""
+        batch = self.input_batch
+        sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
+        logprobs: list[list[TokenLogprobs] | None] | None = None
+        if row_logprobs is not None:
+            logprobs = [None] * len(step.req_ids)
+        row = 0
+        for i, num_rows in zip(
+            step.sample_idx.tolist(), step.rows_per_sample.tolist(), strict=True
+        ):
+            targets = tokens[row : row + num_rows]
+            drafts = step.drafts.get(i, [])
+            kept = 1
+            while kept < num_rows and drafts[kept - 1] == targets[kept - 1]:
+                kept += 1
+            accepted = targets[:kept]
+            sampled_ids[i] = accepted
+            batch.append_tokens(int(step.slots[i]), accepted)
+            if logprobs is not None and row_logprobs is not None:
+                entries = row_logprobs[row : row + kept]
+                if entries[0] is not None:
+                    logprobs[i] = [e for e in entries if e is not None]
+            row += num_rows
+        return _output(step.req_ids, sampled_ids, logprobs)
+
+    def _apply_deltas(self, scheduler_output: SchedulerOutput) -> None:
+        """Bring the persistent batch in line with the scheduler's view of this step."""
+        batch = self.input_batch
+        for req_id in scheduler_output.finished_req_ids:
+            batch.remove_request(req_id)
+        for req_id in scheduler_output.preempted_req_ids:
+            batch.preempt_request(req_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            batch.add_request(
+                new.req_id,
+                new.prompt_token_ids,
+                new.sampling_params,
+                new.block_ids,
+                new.num_computed_tokens,
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        index = batch.req_id_to_index
+        for i, req_id in enumerate(cached.req_ids):
+            block_ids = cached.new_block_ids[i]
+            if req_id in resumed:
+                batch.resume_request(
+                    req_id, cached.new_token_ids[i], block_ids or [], cached.num_computed_tokens[i]
+                )
+                continue
+            slot = index[req_id]
+            batch.num_computed_tokens[slot] = cached.num_computed_tokens[i]
+            if block_ids:
+                batch.append_block_ids(slot, block_ids)
+        batch.condense()
+
+
+def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
+    """The context length to serve: the model's own unless a smaller one is asked for."""
+    limit = arch.max_position_embeddings
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len ({requested}) is larger than the model's maximum context "
+            f"length ({limit})"
+        )
+    return requested
+
+
+def _output(
+    req_ids: list[str],
+    sampled_ids: list[list[int]],
+    logprobs: list[list[TokenLogprobs] | None] | None,
+) -> ModelRunnerOutput:
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled_ids,
+        logprobs=logprobs,
+    )

@@ -1,0 +1,202 @@
+"""One step's model inputs, built from the persistent batch with numpy, no per-token loops.
+
+The scheduled requests' new tokens are concatenated (decodes first, then
+multi-token chunks, each group in slot order) into one flat ragged batch. A
+request samples when this step brings it level with its tokens (plus drafts):
+one logits row at its last token, or 1 + k rows ending there when it verifies
+k draft tokens. A partial prefill samples nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenloom.core.sched.output import SchedulerOutput
+from tokenloom.worker.input_batch import InputBatch
+from tokenloom.worker.sampling_metadata import SamplingMetadata
+
+
+@dataclass
+class StepInputs:
+    req_ids: list[str]  # scheduled requests, in forward order
+    slots: np.ndarray  # [B] their slots
+    query_lens: np.ndarray  # [B]
+    seq_lens: np.ndarray  # [B] context after this step
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    block_table: torch.Tensor  # [B, max_blocks] int32, on the model's device
+    # Sampling: requests that sample (indices into req_ids) and their logits rows.
+    sample_idx: np.ndarray  # [S]
+    rows_per_sample: np.ndarray  # [S] 1 + number of drafts
+    logits_indices: torch.Tensor  # [R] positions in the flat batch
+    row_slots: np.ndarray  # [R]
+    row_offsets: np.ndarray  # [R] draft index of the row (0 for the first)
+    drafts: dict[int, list[int]]  # batch index -> drafts being verified
+
+
+def prepare_step(batch: InputBatch, scheduler_output: SchedulerOutput) -> StepInputs:
+    """Flatten the scheduled tokens of ``batch`` (already updated with this step's deltas)."""
+    num_scheduled = scheduler_output.num_scheduled_tokens
+    index = batch.req_id_to_index
+    count = len(num_scheduled)
+    slots = np.fromiter((index[r] for r in num_scheduled), dtype=np.int64, count=count)
+    query_lens = np.fromiter(num_scheduled.values(), dtype=np.int64, count=count)
+    order = np.lexsort((slots, query_lens > 1))
+    slots, query_lens = slots[order], query_lens[order]
+    scheduled_ids = list(num_scheduled)
+    req_ids = [scheduled_ids[i] for i in order.tolist()]
+
+    # Drafts are written after the request's tokens so they are read like any input.
+    num_drafts = np.zeros(batch.max_num_seqs, dtype=np.int64)
+    draft_lists: dict[int, list[int]] = {}
+    for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+        if drafts:
+            slot = index[req_id]
+            batch.token_ids[slot, batch.num_tokens[slot] : batch.num_tokens[slot] + len(drafts)] = (
+                drafts
+            )
+            num_drafts[slot] = len(drafts)
+            draft_lists[slot] = drafts
+
+    start = batch.num_computed_tokens[slots]
+    seq_lens = start + query_lens
+    cu_ends = np.cumsum(query_lens)
+    total = int(cu_ends[-1])
+    token_slot = np.repeat(slots, query_lens)
+    positions = np.arange(total, dtype=np.int64) + np.repeat(
+        start - (cu_ends - query_lens), query_lens
+    )
+    input_ids = batch.token_ids[token_slot, positions].astype(np.int64)
+    bs = batch.block_size
+    slot_mapping = (
+        batch.block_table[token_slot, positions // bs].astype(np.int64) * bs + positions % bs
+    )
+
+    max_blocks = -(-int(seq_lens.max()) // bs)
+    if slots[0] == 0 and np.array_equal(slots, np.arange(count)):
+        table = batch.block_table[:count, :max_blocks]
+    else:
+        table = batch.block_table[:, :max_blocks][slots]
+
+    drafts_of = num_drafts[slots]
+    sample_idx = np.flatnonzero(seq_lens >= batch.num_tokens[slots] + drafts_of)
+    rows_per_sample = 1 + drafts_of[sample_idx]
+    last = cu_ends[sample_idx] - 1
+    if draft_lists:
+        num_rows = int(rows_per_sample.sum())
+        group_first = np.cumsum(rows_per_sample) - rows_per_sample
+        row_offsets = np.arange(num_rows, dtype=np.int64) - np.repeat(group_first, rows_per_sample)
+        logits_indices = np.repeat(last - drafts_of[sample_idx], rows_per_sample) + row_offsets
+        row_slots = np.repeat(slots[sample_idx], rows_per_sample)
+    else:
+        logits_indices = last
+        row_slots = slots[sample_idx]
+        row_offsets = np.zeros(len(sample_idx), dtype=np.int64)
+    batch_pos = {int(s): i for i, s in enumerate(slots.tolist())} if draft_lists else {}
+
+    device = batch.device
+    return StepInputs(
+        req_ids=req_ids,
+        slots=slots,
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        input_ids=_to(input_ids, device),
+        positions=_to(positions, device),
+        slot_mapping=_to(slot_mapping, device),
+        block_table=_to(table, device),
+        sample_idx=sample_idx,
+        rows_per_sample=rows_per_sample,
+        logits_indices=_to(logits_indices, device),
+        row_slots=row_slots,
+        row_offsets=row_offsets,
+        drafts={batch_pos[s]: d for s, d in draft_lists.items()},
+    )
+
+
+def build_sampling_metadata(
+    batch: InputBatch,
+    row_slots: np.ndarray,
+    row_offsets: np.ndarray,
+    eos_token_ids: Iterable[int],
+) -> SamplingMetadata:
+    """Gather the sampling parameters of each logits row; optional parts only when used."""
+    device = batch.device
+    vocab = batch.vocab_size
+    temperature = batch.temperature[row_slots]
+    greedy = temperature == 0.0
+    random_rows = ~greedy
+    metadata = SamplingMetadata(
+        temperature=_to(temperature, device),
+        all_greedy=bool(greedy.all()),
+        all_random=not bool(greedy.any()),
+    )
+    if not metadata.all_greedy:
+        top_k = batch.top_k[row_slots]
+        if bool((top_k[random_rows] < vocab).any()):
+            metadata.top_k = _to(top_k, device)
+        top_p = batch.top_p[row_slots]
+        if bool((top_p[random_rows] < 1.0).any()):
+            metadata.top_p = _to(top_p, device)
+        min_p = batch.min_p[row_slots]
+        if bool((min_p[random_rows] > 0.0).any()):
+            metadata.min_p = _to(min_p, device)
+        generators = batch.generators
+        if generators:
+            metadata.generators = {
+                row: generators[slot]
+                for row, slot in enumerate(row_slots.tolist())
+                if slot in generators
+            }
+
+    num_prompt = batch.num_prompt_tokens[row_slots]
+    end = batch.num_tokens[row_slots] + row_offsets  # tokens before the sampled position
+    presence = batch.presence_penalty[row_slots]
+    frequency = batch.frequency_penalty[row_slots]
+    repetition = batch.repetition_penalty[row_slots]
+    use_repetition = bool((repetition != 1.0).any())
+    if use_repetition or bool((presence != 0.0).any()) or bool((frequency != 0.0).any()):
+        width = int(end.max())
+        tokens = batch.token_ids[:, :width][row_slots].astype(np.int64)
+        pos = np.arange(width)
+        is_output = (pos >= num_prompt[:, None]) & (pos < end[:, None])
+        metadata.output_token_ids = _to(np.where(is_output, tokens, vocab), device)
+        metadata.presence_penalties = _to(presence, device)
+        metadata.frequency_penalties = _to(frequency, device)
+        metadata.repetition_penalties = _to(repetition, device)
+        if use_repetition:
+            p_width = int(num_prompt.max())
+            in_prompt = pos[:p_width] < num_prompt[:, None]
+            metadata.prompt_token_ids = _to(np.where(in_prompt, tokens[:, :p_width], vocab), device)
+
+    need_ban = batch.min_tokens[row_slots] > end - num_prompt
+    if bool(need_ban.any()):
+        eos = set(eos_token_ids)
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        for row in np.flatnonzero(need_ban).tolist():
+            params = batch.sampling_params[int(row_slots[row])]
+            assert params is not None
+            banned = set(params.stop_token_ids or ())
+            if not params.ignore_eos:
+                banned |= eos
+            banned = {t for t in banned if t < vocab}
+            ban_rows.extend([row] * len(banned))
+            ban_ids.extend(sorted(banned))
+        if ban_rows:
+            metadata.banned_rows = torch.tensor(ban_rows, dtype=torch.long, device=device)
+            metadata.banned_token_ids = torch.tensor(ban_ids, dtype=torch.long, device=device)
+
+    num_logprobs = batch.num_logprobs[row_slots]
+    if bool((num_logprobs >= 0).any()):
+        metadata.num_logprobs = num_logprobs.tolist()
+    return metadata
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
