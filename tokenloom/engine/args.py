@@ -1,0 +1,183 @@
+"""Engine arguments: one flat dataclass shared by ``LLM``, ``AsyncLLM`` and the CLI.
+
+It is split into the frozen config dataclasses by ``create_configs``; those do
+the range checks, and their messages are rewritten here to name the argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
+
+# Argument name -> the config field that holds it, where the two differ.
+_RENAMED = {"kv_cache_memory_fraction": "memory_fraction"}
+_INT_FIELDS = (
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "long_prefill_token_threshold",
+    "seed",
+)
+_OPTIONAL_INT_FIELDS = ("max_model_len", "num_blocks")
+_BOOL_FIELDS = ("enable_prefix_caching", "enable_chunked_prefill", "log_stats")
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|mps)$")
+
+
+@dataclass
+class EngineArgs:
+    """Everything needed to build an engine. Invalid values raise ``ValueError`` naming the field."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    seed: int = 0
+    kv_cache_memory_fraction: float = 0.3
+    device: str = "cpu"
+    log_stats: bool = True
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self.create_configs()
+
+    def _check_types(self) -> None:
+        def is_int(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        for name in _INT_FIELDS:
+            if not is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in _OPTIONAL_INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not is_int(value):
+                raise ValueError(f"{name} must be an integer or None, got {value!r}")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model must be a path string or None, got {self.model!r}")
+        fraction = self.kv_cache_memory_fraction
+        if not isinstance(fraction, (int, float)) or isinstance(fraction, bool):
+            raise ValueError(f"kv_cache_memory_fraction must be a number, got {fraction!r}")
+        if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
+            raise ValueError(
+                f"device must be 'cpu', 'cuda', 'cuda:N' or 'mps', got {self.device!r}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be None or >= 2, got {self.max_model_len}")
+        if self.served_model_name is not None and not (
+            isinstance(self.served_model_name, str) and self.served_model_name
+        ):
+            raise ValueError(
+                f"served_model_name must be a non-empty string or None, got {self.served_model_name!r}"
+            )
+
+    def get_served_model_name(self) -> str:
+        """The name clients use: ``served_model_name``, else the model path as given."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model if self.model is not None else DEFAULT_MODEL_NAME
+
+    def create_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+        """Split into the configs the engine core is built from."""
+        try:
+            model_config = ModelConfig(
+                model=self.model,
+                dtype=self.dtype,  # type: ignore[arg-type]
+                max_model_len=self.max_model_len,
+                device=self.device,
+                seed=self.seed,
+            )
+            cache_config = CacheConfig(
+                block_size=self.block_size,
+                num_blocks=self.num_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
+                memory_fraction=float(self.kv_cache_memory_fraction),
+            )
+            scheduler_config = SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                policy=self.policy,  # type: ignore[arg-type]
+            )
+        except ValueError as exc:
+            message = str(exc)
+            for arg_name, config_name in _RENAMED.items():
+                if message.startswith(config_name):
+                    message = arg_name + message[len(config_name) :]
+            raise ValueError(message) from None
+        return model_config, cache_config, scheduler_config
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add one ``--flag`` per field (``--model`` for the model path)."""
+        d = EngineArgs  # class attributes hold the defaults
+        group = parser.add_argument_group("engine")
+        group.add_argument(
+            "--model",
+            type=str,
+            default=d.model,
+            help="HF model directory or .gguf file (default: bundled SmolLM2-135M-Instruct)",
+        )
+        group.add_argument(
+            "--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=d.dtype
+        )
+        group.add_argument(
+            "--max-model-len", type=int, default=d.max_model_len, help="context length cap"
+        )
+        group.add_argument("--block-size", type=int, default=d.block_size)
+        group.add_argument(
+            "--num-blocks",
+            type=int,
+            default=d.num_blocks,
+            help="KV cache blocks (default: sized from --kv-cache-memory-fraction)",
+        )
+        group.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=d.enable_prefix_caching,
+        )
+        group.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        group.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+        group.add_argument(
+            "--enable-chunked-prefill",
+            action=argparse.BooleanOptionalAction,
+            default=d.enable_chunked_prefill,
+        )
+        group.add_argument(
+            "--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold
+        )
+        group.add_argument("--policy", choices=["fcfs", "priority"], default=d.policy)
+        group.add_argument("--seed", type=int, default=d.seed)
+        group.add_argument(
+            "--kv-cache-memory-fraction", type=float, default=d.kv_cache_memory_fraction
+        )
+        group.add_argument("--device", type=str, default=d.device)
+        group.add_argument(
+            "--log-stats", action=argparse.BooleanOptionalAction, default=d.log_stats
+        )
+        group.add_argument("--served-model-name", type=str, default=d.served_model_name)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """Build from a namespace; attributes it lacks keep their defaults."""
+        kwargs: dict[str, Any] = {
+            f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)
+        }
+        return cls(**kwargs)

@@ -1,0 +1,232 @@
+"""``AsyncLLM``: the asyncio front end the HTTP server is built on.
+
+Prompts are tokenized and validated here, sent to the engine core (its own
+process by default), and the core's token outputs come back through one
+output-handler task that detokenizes them and hands each request's
+``RequestOutput`` to the ``generate()`` call waiting for it. A consumer that
+stops iterating (a client that disconnects) aborts its request in the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from tokenloom.engine.args import EngineArgs
+from tokenloom.engine.core_client import AsyncInprocClient, InprocClient, MPClient
+from tokenloom.engine.exceptions import EngineDeadError
+from tokenloom.engine.input_processor import InputProcessor, PromptType, eos_token_ids
+from tokenloom.engine.messages import CoreOutputs
+from tokenloom.engine.output_processor import OutputProcessor, RequestOutputCollector
+from tokenloom.metrics.stats import IterationStats, LoggingStatLogger, StatLogger
+from tokenloom.outputs import RequestOutput, SchedulerStats
+from tokenloom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Outputs detokenized between two yields to the event loop, so a step with
+# thousands of requests does not stall other coroutines.
+_OUTPUT_CHUNK = 256
+
+AsyncClient = AsyncInprocClient | MPClient
+
+
+class AsyncLLM:
+    """Serve many concurrent ``generate()`` streams from one engine core."""
+
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        client: AsyncClient,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_ids: list[int],
+        stat_loggers: list[StatLogger] | None = None,
+    ) -> None:
+        self.engine_args = engine_args
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_name = engine_args.get_served_model_name()
+        self.max_model_len: int = client.max_model_len
+        self.input_processor = InputProcessor(tokenizer, self.max_model_len, vocab_size, eos_ids)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.stat_loggers: list[StatLogger] = [LoggingStatLogger()] if engine_args.log_stats else []
+        self.stat_loggers += stat_loggers or []
+        self.latest_scheduler_stats: SchedulerStats | None = None
+        self._dead: EngineDeadError | None = None
+        self._output_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @classmethod
+    def from_engine_args(
+        cls,
+        engine_args: EngineArgs,
+        *,
+        multiprocess: bool = True,
+        stat_loggers: list[StatLogger] | None = None,
+    ) -> AsyncLLM:
+        """Build the engine: the core (own process unless ``multiprocess=False``) and tokenizer."""
+        from tokenloom.model.arch_config import load_arch_config
+        from tokenloom.model.loader import resolve_model_path
+        from tokenloom.model.tokenizer import load_tokenizer
+
+        model_config, cache_config, scheduler_config = engine_args.create_configs()
+        path = resolve_model_path(engine_args.model)
+        arch = load_arch_config(path)
+        model_config = dataclasses.replace(model_config, model=str(path))
+        client: AsyncClient
+        if multiprocess:
+            mp_client = MPClient(model_config, cache_config, scheduler_config)
+            try:
+                tokenizer = load_tokenizer(path)  # while the core loads the weights
+                mp_client.wait_until_ready()
+            except BaseException:
+                mp_client.shutdown()
+                raise
+            client = mp_client
+        else:
+            tokenizer = load_tokenizer(path)
+            client = AsyncInprocClient(InprocClient(model_config, cache_config, scheduler_config))
+        eos_ids = eos_token_ids(arch.eos_token_ids, tokenizer)
+        return cls(engine_args, client, tokenizer, arch.vocab_size, eos_ids, stat_loggers)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def engine_core_pid(self) -> int | None:
+        return self.client.engine_core_pid
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None or not self.client.is_alive()
+
+    @property
+    def is_running(self) -> bool:
+        return not self._closed and not self.errored
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        return self._dead or EngineDeadError()
+
+    @property
+    def num_running_requests(self) -> int:
+        stats = self.latest_scheduler_stats
+        return stats.num_running_reqs if stats is not None else 0
+
+    @property
+    def num_waiting_requests(self) -> int:
+        stats = self.latest_scheduler_stats
+        return stats.num_waiting_reqs if stats is not None else 0
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise self.dead_error
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        delta: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request; the last has ``finished=True``.
+
+        Raises ``ValueError`` for an invalid request (nothing is queued) and
+        ``EngineDeadError`` when the engine dies.
+        """
+        if self.errored or self._closed:
+            raise self.dead_error
+        text, requests = self.input_processor.process(
+            request_id, prompt, sampling_params, priority=priority
+        )
+        collector = RequestOutputCollector(delta)
+        self.output_processor.add_request(request_id, text, requests, collector)
+        finished = False
+        try:
+            self._ensure_output_handler()
+            self.client.add_requests(requests)
+            while not finished:
+                output = await collector.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self._abort_now([request_id])
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """End requests now; their KV blocks are freed in the core right away."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._abort_now(ids)
+
+    def _abort_now(self, request_ids: list[str]) -> None:
+        core_ids = self.output_processor.abort_requests(request_ids)
+        if core_ids and not self.errored:
+            self.client.abort_requests(core_ids)
+
+    # ------------------------------------------------------------------ outputs
+
+    def _ensure_output_handler(self) -> None:
+        loop = asyncio.get_running_loop()
+        task = self._output_task
+        if task is not None and not task.done() and task.get_loop() is loop:
+            return
+        self._output_task = loop.create_task(self._run_output_handler())
+
+    async def _run_output_handler(self) -> None:
+        try:
+            while True:
+                result = await self.client.get_output()
+                await self._process(result)
+        except asyncio.CancelledError:
+            raise
+        except EngineDeadError as exc:
+            self._on_dead(exc)
+        except Exception as exc:
+            logger.exception("output handler failed")
+            self._on_dead(EngineDeadError(f"engine output handling failed: {exc}"))
+
+    async def _process(self, result: CoreOutputs) -> None:
+        outputs = result.outputs
+        stats = IterationStats() if self.stat_loggers else None
+        now = time.time()
+        items = outputs.outputs
+        for start in range(0, len(items), _OUTPUT_CHUNK):
+            if start:
+                await asyncio.sleep(0)
+            processed = self.output_processor.process_outputs(
+                items[start : start + _OUTPUT_CHUNK], now, stats, result.first_scheduled_times
+            )
+            if processed.reqs_to_abort:
+                self.client.abort_requests(processed.reqs_to_abort)
+        if outputs.scheduler_stats is not None:
+            self.latest_scheduler_stats = outputs.scheduler_stats
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(outputs.scheduler_stats, stats)
+
+    def _on_dead(self, error: EngineDeadError) -> None:
+        if self._dead is None:
+            logger.error("engine core is dead: %s", error)
+            self._dead = error
+        self.output_processor.propagate_error(self._dead)
+
+    def shutdown(self) -> None:
+        """Stop the engine core; pending ``generate()`` calls raise ``EngineDeadError``."""
+        if self._closed:
+            return
+        self._closed = True
+        task = self._output_task
+        if task is not None and not task.done():
+            task.cancel()
+        self.output_processor.propagate_error(EngineDeadError("the engine was shut down"))
+        self.client.shutdown()

@@ -1,0 +1,133 @@
+"""The engine core: a scheduler and a model runner, stepped together.
+
+One ``step()`` is schedule -> execute -> update: the scheduler decides how
+many tokens each request gets, the runner runs one forward pass over them, and
+the scheduler applies the sampled tokens. The core knows nothing of text; it
+runs in the caller's process (``LLM``, tests) or in its own (``core_proc``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
+from tokenloom.engine.messages import CoreOutputs, EngineCoreRequest
+from tokenloom.outputs import EngineCoreOutputs, ModelRunnerOutput
+from tokenloom.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+_EMPTY_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+
+class EngineCore:
+    """Owns the model runner (weights, KV cache) and the scheduler.
+
+    ``max_model_len`` is the runner's context length capped to what the KV
+    cache can hold for one request, so every admitted request can finish.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+    ) -> None:
+        from tokenloom.core.sched.scheduler import Scheduler
+        from tokenloom.worker.model_runner import ModelRunner
+
+        started = time.monotonic()
+        self.runner = ModelRunner(model_config, cache_config, scheduler_config)
+        self.num_blocks: int = self.runner.num_blocks
+        self.cache_config = dataclasses.replace(cache_config, num_blocks=self.num_blocks)
+        # One block may be reserved by the cache manager (a null block): leave it out.
+        cache_tokens = (self.num_blocks - 1) * self.cache_config.block_size
+        self.max_model_len: int = min(self.runner.max_model_len, cache_tokens)
+        self.arch = self.runner.arch
+        # Stats are always on in the core: the front end reads queue lengths from them.
+        self.scheduler = Scheduler(
+            scheduler_config, self.cache_config, self.max_model_len, log_stats=True
+        )
+        # Requests scheduled but not yet reported: when they were first scheduled.
+        self._first_scheduled: dict[str, float] = {}
+        # Tokens the latest step scheduled (0: it could make no progress).
+        self.last_num_scheduled_tokens = 0
+        logger.info(
+            "engine core ready in %.1fs: %d KV blocks of %d tokens, max_model_len %d",
+            time.monotonic() - started,
+            self.num_blocks,
+            self.cache_config.block_size,
+            self.max_model_len,
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(
+            Request(
+                request.request_id,
+                request.prompt_token_ids,
+                request.sampling_params,
+                eos_token_id=request.eos_token_id,
+                arrival_time=request.arrival_time,
+                priority=request.priority,
+            )
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Finish requests now; their blocks are free when this returns."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for request_id in request_ids:
+            self._first_scheduled.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests()
+
+    def make_stats_output(self) -> CoreOutputs:
+        """No tokens, just the scheduler's state (after aborts, so gauges drop at once)."""
+        return CoreOutputs(EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats()))
+
+    def step(self) -> CoreOutputs | None:
+        """Run one iteration; None when there is nothing to do."""
+        scheduler = self.scheduler
+        if not scheduler.has_requests():
+            return None
+        scheduler_output = scheduler.schedule()
+        self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        now = time.time()
+        for new_request in scheduler_output.scheduled_new_reqs:
+            self._first_scheduled.setdefault(new_request.req_id, now)
+        if (
+            scheduler_output.total_num_scheduled_tokens == 0
+            and not scheduler_output.finished_req_ids
+            and not scheduler_output.preempted_req_ids
+        ):
+            runner_output = _EMPTY_RUNNER_OUTPUT
+        else:
+            # Also with no tokens: the runner must hear about finished requests.
+            runner_output = self.runner.execute_model(scheduler_output)
+        per_client = scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = _merge_clients(per_client)
+        outputs.timestamp = time.time()
+        first_scheduled: dict[str, float] = {}
+        for output in outputs.outputs:
+            if output.new_token_ids or output.finished:
+                when = self._first_scheduled.pop(output.request_id, None)
+                if when is not None:
+                    first_scheduled[output.request_id] = when
+        return CoreOutputs(outputs, first_scheduled)
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+
+
+def _merge_clients(per_client: dict[int, EngineCoreOutputs]) -> EngineCoreOutputs:
+    """There is one front end, so outputs for every client index go to it."""
+    if len(per_client) == 1:
+        return next(iter(per_client.values()))
+    merged = EngineCoreOutputs()
+    for outputs in per_client.values():
+        merged.outputs.extend(outputs.outputs)
+        if outputs.scheduler_stats is not None:
+            merged.scheduler_stats = outputs.scheduler_stats
+    return merged

@@ -1,0 +1,181 @@
+"""``LLM``: offline batch generation with the engine core in this process."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tokenloom.engine.args import EngineArgs
+from tokenloom.engine.core_client import InprocClient
+from tokenloom.engine.input_processor import InputProcessor, PromptType, eos_token_ids
+from tokenloom.engine.messages import EngineCoreRequest
+from tokenloom.engine.output_processor import OutputProcessor
+from tokenloom.metrics.stats import IterationStats, LoggingStatLogger, StatLogger
+from tokenloom.outputs import RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+# Batches at least this large get a progress bar (when use_tqdm is on).
+_TQDM_MIN_PROMPTS = 8
+
+
+class LLM:
+    """Generate for a batch of prompts; results come back in input order.
+
+    ``engine_args`` are the fields of ``EngineArgs`` (``max_model_len``,
+    ``num_blocks``, ``max_num_seqs``, ...). Invalid prompts or parameters raise
+    ``ValueError`` before anything is queued, so the engine stays usable.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        from tokenloom.model.arch_config import load_arch_config
+        from tokenloom.model.loader import resolve_model_path
+        from tokenloom.model.tokenizer import load_tokenizer
+
+        known = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        self.engine_args = EngineArgs(model=model, **engine_args)
+        model_config, cache_config, scheduler_config = self.engine_args.create_configs()
+        path = resolve_model_path(model)
+        arch = load_arch_config(path)
+        model_config = dataclasses.replace(model_config, model=str(path))
+        self.tokenizer = load_tokenizer(path)
+        self.client = InprocClient(model_config, cache_config, scheduler_config)
+        self.max_model_len = self.client.max_model_len
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            self.max_model_len,
+            arch.vocab_size,
+            eos_token_ids(arch.eos_token_ids, self.tokenizer),
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_loggers: list[StatLogger] = (
+            [LoggingStatLogger()] if self.engine_args.log_stats else []
+        )
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One ``RequestOutput`` per prompt (a str, token ids, or a list of either)."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        batch = []
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            request_id = self._next_id()
+            batch.append((request_id, *self.input_processor.process(request_id, prompt, params)))
+        return self._run(batch, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (chat template applied)."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or of conversations")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        params_list = _as_params_list(sampling_params, len(conversations))
+        batch = []
+        for conversation, params in zip(conversations, params_list, strict=True):
+            text, token_ids = self.input_processor.render_chat(conversation)
+            request_id = self._next_id()
+            batch.append(
+                (
+                    request_id,
+                    *self.input_processor.process(request_id, token_ids, params, prompt_text=text),
+                )
+            )
+        return self._run(batch, use_tqdm)
+
+    def _next_id(self) -> str:
+        return str(next(self._request_counter))
+
+    def _run(
+        self, batch: list[tuple[str, str | None, list[EngineCoreRequest]]], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        order: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        for request_id, text, requests in batch:
+            self.output_processor.add_request(request_id, text, requests)
+            order.append(request_id)
+            for request in requests:
+                self.client.add_request(request)
+        progress = (
+            _progress_bar(len(order)) if use_tqdm and len(order) >= _TQDM_MIN_PROMPTS else None
+        )
+        try:
+            while self.output_processor.has_unfinished_requests():
+                result = self.client.step()
+                if result is None:
+                    raise RuntimeError("engine core stopped with requests unfinished")
+                stats = IterationStats() if self.stat_loggers else None
+                processed = self.output_processor.process_outputs(
+                    result.outputs.outputs, time.time(), stats, result.first_scheduled_times
+                )
+                self.client.abort_requests(processed.reqs_to_abort)
+                for output in processed.request_outputs:
+                    results[output.request_id] = output
+                if progress is not None and processed.request_outputs:
+                    progress.update(len(processed.request_outputs))
+                for stat_logger in self.stat_loggers:
+                    stat_logger.record(result.outputs.scheduler_stats, stats)
+        except BaseException:
+            # Leave the engine clean for the next call (Ctrl-C, or a failure above).
+            self.client.abort_requests(self.output_processor.abort_requests(order))
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+        return [results[request_id] for request_id in order]
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
+
+
+def _as_prompt_list(prompts: object) -> list[PromptType]:
+    if isinstance(prompts, str) or _is_token_ids(prompts):
+        return [prompts]  # type: ignore[list-item]
+    if isinstance(prompts, (list, tuple)):
+        for prompt in prompts:
+            if not isinstance(prompt, (str, list)):
+                raise ValueError(
+                    "prompts must be a str, a list of token ids, or a list of either; "
+                    f"got an element of type {type(prompt).__name__}"
+                )
+        return list(prompts)
+    raise ValueError(f"prompts must be a str or a list, got {type(prompts).__name__}")
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params_list = list(params)
+    if len(params_list) != count:
+        raise ValueError(
+            f"sampling_params has {len(params_list)} entries for {count} prompts; "
+            "pass one SamplingParams or one per prompt"
+        )
+    return params_list

@@ -1,0 +1,71 @@
+"""Typed messages between the front end and the engine core process (msgpack, not pickle).
+
+Front -> core: ``EngineCoreRequest``, ``AbortRequests``, ``Shutdown`` on one
+socket, told apart by a tag. Core -> front: ``CoreOutputs`` after each step, or
+``CoreError`` when the core loop failed. The start-up handshake (``Ready`` or
+``StartupError``) travels over a pipe before the sockets are used.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tokenloom.outputs import EngineCoreOutputs
+from tokenloom.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, tag=True):
+    """A tokenized, validated request, ready for the scheduler."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class CoreOutputs(msgspec.Struct, tag=True):
+    """One step's outputs, plus when requests that got their first token were first scheduled."""
+
+    outputs: EngineCoreOutputs
+    first_scheduled_times: dict[str, float] = {}
+
+
+class CoreError(msgspec.Struct, tag=True):
+    """The core loop raised; the process exits after sending this."""
+
+    message: str
+
+
+class Ready(msgspec.Struct, tag=True):
+    """The core built its model and cache; ``max_model_len`` already fits the cache."""
+
+    num_blocks: int
+    max_model_len: int
+
+
+class StartupError(msgspec.Struct, tag=True):
+    message: str
+
+
+InputMessage = EngineCoreRequest | AbortRequests | Shutdown
+OutputMessage = CoreOutputs | CoreError
+HandshakeMessage = Ready | StartupError
+
+_encoder = msgspec.msgpack.Encoder()
+input_decoder = msgspec.msgpack.Decoder(InputMessage)
+output_decoder = msgspec.msgpack.Decoder(OutputMessage)
+handshake_decoder = msgspec.msgpack.Decoder(HandshakeMessage)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)

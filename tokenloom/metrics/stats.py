@@ -1,0 +1,100 @@
+"""Per-step statistics the front end computes, and the loggers that consume them.
+
+The scheduler produces ``SchedulerStats`` (queue and cache state); the output
+processor produces ``IterationStats`` (token counts and latencies measured in
+the front end). Every stat logger sees both once per engine step output.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from tokenloom.outputs import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FinishedRequestStats:
+    """Timings of one finished request (seconds).
+
+    ``queued_time`` runs from arrival to first schedule, ``prefill_time`` from
+    first schedule to first token, ``decode_time`` from first token to finish.
+    """
+
+    finish_reason: str
+    e2e_latency: float = 0.0
+    queued_time: float = 0.0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+@dataclass
+class IterationStats:
+    """What one engine step output delivered to the front end."""
+
+    iteration_timestamp: float = field(default_factory=time.time)
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens_iter: list[float] = field(default_factory=list)
+    inter_token_latencies_iter: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+
+@runtime_checkable
+class StatLogger(Protocol):
+    """Anything that wants the stats of every step (logging, Prometheus)."""
+
+    def record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
+    ) -> None: ...
+
+
+class LoggingStatLogger:
+    """Logs throughput, queue lengths and cache use every ``interval_s`` seconds."""
+
+    def __init__(self, interval_s: float = 5.0) -> None:
+        self.interval_s = interval_s
+        self._last_log = time.monotonic()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._cache_queries = 0
+        self._cache_hits = 0
+        self._latest: SchedulerStats | None = None
+
+    def record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
+    ) -> None:
+        if iteration_stats is not None:
+            self._prompt_tokens += iteration_stats.num_prompt_tokens
+            self._generation_tokens += iteration_stats.num_generation_tokens
+        if scheduler_stats is not None:
+            self._latest = scheduler_stats
+            self._cache_queries += scheduler_stats.prefix_cache_queries
+            self._cache_hits += scheduler_stats.prefix_cache_hits
+        now = time.monotonic()
+        if now - self._last_log >= self.interval_s:
+            self._log(now)
+
+    def _log(self, now: float) -> None:
+        elapsed = max(now - self._last_log, 1e-9)
+        stats = self._latest or SchedulerStats()
+        hit_rate = self._cache_hits / self._cache_queries if self._cache_queries else 0.0
+        logger.info(
+            "prompt throughput %.1f tok/s, generation throughput %.1f tok/s, "
+            "running %d, waiting %d, KV cache usage %.1f%%, prefix cache hit rate %.1f%%",
+            self._prompt_tokens / elapsed,
+            self._generation_tokens / elapsed,
+            stats.num_running_reqs,
+            stats.num_waiting_reqs,
+            stats.kv_cache_usage * 100,
+            hit_rate * 100,
+        )
+        self._last_log = now
+        self._prompt_tokens = self._generation_tokens = 0
+        self._cache_queries = self._cache_hits = 0
