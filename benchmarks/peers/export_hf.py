@@ -31,12 +31,10 @@ def export(gguf: Path, out: Path, dtype: str) -> Path:
 
     torch_dtype = getattr(torch, dtype)
     src = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch_dtype
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch_dtype
     )
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    config = src.config
-    config.torch_dtype = torch_dtype
-    dst = LlamaForCausalLM(config).to(torch_dtype)
+    dst = LlamaForCausalLM(src.config).to(torch_dtype)  # type: ignore[arg-type]
     missing, unexpected = dst.load_state_dict(src.state_dict(), strict=False)
     # lm_head is tied to the embeddings in SmolLM2; anything else missing is a bug.
     missing = [k for k in missing if k != "lm_head.weight"]

@@ -57,8 +57,14 @@ def sampling_params_for(requests: Sequence[BenchRequest]) -> list:
 
 
 def reset_prefix_cache(llm: Any) -> bool:
-    """Best effort: the offline API does not promise a reset hook, so look for the usual ones."""
-    for owner in (llm, getattr(llm, "llm_engine", None), getattr(llm, "engine", None)):
+    """Best effort: the offline API promises no reset hook, so try the usual owners.
+
+    Without a reset, a repeated workload would hit the cache left by the last run.
+    """
+    client = getattr(llm, "client", None)
+    core = getattr(client, "core", None)
+    owners = (llm, getattr(llm, "llm_engine", None), client, core, getattr(core, "scheduler", None))
+    for owner in owners:
         fn = getattr(owner, "reset_prefix_cache", None)
         if callable(fn):
             return bool(fn() is not False)
@@ -72,7 +78,8 @@ def warmup(llm: Any, num_requests: int = 4, prompt_len: int = 32, max_tokens: in
     from tokenloom import SamplingParams
 
     prompts = [[100 + i + j for j in range(prompt_len)] for i in range(num_requests)]
-    llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
     reset_prefix_cache(llm)
 
 
@@ -81,7 +88,7 @@ def run_offline(llm: Any, requests: Sequence[BenchRequest]) -> OfflineResult:
     prompts = [r.prompt_token_ids for r in requests]
     params = sampling_params_for(requests)
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     if len(outputs) != len(requests):
         raise RuntimeError(f"expected {len(requests)} outputs, got {len(outputs)}")

@@ -1,0 +1,502 @@
+"""Compare tokenloom with peer engines on identical, seeded offline workloads.
+
+Every engine gets the same token-id prompts, greedy decoding, ``ignore_eos``
+and a fixed ``max_tokens`` per request, so all do identical work; each runs
+in its own subprocess (and, for vLLM, its own venv) with start-up, compile
+and one common warm-up excluded from timing. Each figure is the median of
+``--repeats`` runs; the CPU time used by other processes during each run is
+recorded. The machine's fp32/bf16 matmul ceilings give a compute floor per
+workload. Results go to docs/peers.md and docs/peers.png.
+
+    .venv/bin/python benchmarks/compare_peers.py            # everything
+    .venv/bin/python benchmarks/compare_peers.py --engines vllm,hf --repeats 1
+
+Peer set-up: benchmarks/peers/setup_vllm.sh, benchmarks/peers/export_hf.py,
+benchmarks/peers/setup_llamacpp.sh (see /work/shared/PEERS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / "benchmarks" / "peers"
+sys.path.insert(0, str(ROOT))
+
+from tokenloom.bench.datasets import (  # noqa: E402
+    BenchRequest,
+    LengthSpec,
+    random_requests,
+    save_workload,
+    shared_prefix_requests,
+    tokenizer_vocab,
+)
+
+ALL_ENGINES = ("tokenloom", "vllm", "hf", "llamacpp")
+BUSY_WARN_FRACTION = 0.10  # warn when others used >10% of the machine during a run
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+def build_workloads(tokenizer: Any, seed: int) -> dict[str, list[BenchRequest]]:
+    vocab = tokenizer_vocab(tokenizer)
+    return {
+        "main": random_requests(
+            128, LengthSpec("log-uniform", 32, 512), LengthSpec("log-uniform", 16, 256), vocab, seed
+        ),
+        "shared-prefix": shared_prefix_requests(64, 400, 16, 64, vocab, seed + 1),
+    }
+
+
+# ----------------------------------------------------------------------------- ceilings
+
+
+def matmul_ceiling_gflops(dtype_name: str, n: int = 1024, seconds: float = 2.0) -> float:
+    """Best-of GFLOP/s of an n x n matmul in this dtype, on up to 2 threads."""
+    import torch
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    dtype = getattr(torch, dtype_name)
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    torch.mm(a, b)
+    best = 0.0
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        dt = time.perf_counter() - t0
+        best = max(best, 2 * n**3 / dt / 1e9)
+    return best
+
+
+def model_flops(cfg: dict[str, Any], reqs: list[BenchRequest], prefix_cached: int = 0) -> float:
+    """Forward FLOPs of a workload: 2 x params per token (lm_head only where a token is
+    sampled) plus attention (QK^T and AV: 4 x heads x head_dim x context per token per layer).
+    ``prefix_cached`` tokens of every prompt after the first are assumed served from cache."""
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // nh
+    per_layer = h * nh * hd * 2 + h * nkv * hd * 2 + 3 * h * inter
+    linear, lm_head = layers * per_layer, h * cfg["vocab_size"]
+    total = 0.0
+    for i, r in enumerate(reqs):
+        skip = prefix_cached if i > 0 else 0
+        fed = r.prompt_len - skip + r.max_tokens - 1  # the last sampled token is never fed back
+        total += 2 * linear * fed + 2 * lm_head * r.max_tokens
+        # context lengths of the fed positions: skip+1 .. prompt_len + max_tokens - 1
+        lo, hi = skip + 1, r.prompt_len + r.max_tokens - 1
+        total += 4 * nh * hd * layers * (hi * (hi + 1) - (lo - 1) * lo) / 2
+    return total
+
+
+# ----------------------------------------------------------------------------- running peers
+
+
+@dataclass
+class EngineResult:
+    engine: str
+    workload: str
+    walls: list[float] = field(default_factory=list)
+    output_tokens: int = 0  # per run, verified equal across runs
+    lengths_ok: bool = True
+    cached_tokens: int = 0
+    other_cpu_frac: float = 0.0  # max over runs, of machine capacity
+    config: dict[str, Any] = field(default_factory=dict)
+    load_s: float = 0.0
+
+    @property
+    def wall(self) -> float:
+        return statistics.median(self.walls)
+
+
+def run_worker(
+    name: str, cmd: list[str], env: dict[str, str], workdir: Path, timeout: float
+) -> dict | None:
+    """Run one worker; returns its JSON or None (with the reason printed)."""
+    out = workdir / f"{name}.json"
+    log = workdir / f"{name}.log"
+    out.unlink(missing_ok=True)
+    cmd = [*cmd, "--out", str(out)]
+    print(f"\n== {name}: {shlex.join(cmd)}\n   (log: {log})", flush=True)
+    t0 = time.time()
+    with open(log, "w") as f:
+        try:
+            proc = subprocess.run(
+                cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT
+            )
+        except subprocess.TimeoutExpired:
+            print(f"   {name}: timed out after {timeout:.0f} s; skipped")
+            return None
+    tail = log.read_text(errors="replace").strip().splitlines()[-15:]
+    for line in tail:
+        if line.startswith(f"[{name.split('-')[0]}") or "rep " in line:
+            print("   " + line)
+    if proc.returncode != 0 or not out.exists():
+        print(
+            f"   {name}: failed (exit {proc.returncode}) after {time.time() - t0:.0f} s; last lines:"
+        )
+        print("\n".join("   | " + x for x in tail[-8:]))
+        return None
+    return json.loads(out.read_text())
+
+
+def collect(
+    data: dict, engine: str, workloads: dict[str, list[BenchRequest]], ncpu: int
+) -> dict[str, EngineResult]:
+    results = {}
+    for wname, runs in data["runs"].items():
+        reqs = workloads[wname]
+        expected = [r.max_tokens for r in reqs]
+        res = EngineResult(
+            engine, wname, config=data.get("config", {}), load_s=data.get("load_s", 0)
+        )
+        for run in runs:
+            res.walls.append(run["wall_s"])
+            res.lengths_ok &= run["output_tokens"] == expected
+            res.cached_tokens = run.get("cached_tokens", 0)
+            frac = run["other_cpu_s"] / (run["wall_s"] * ncpu)
+            res.other_cpu_frac = max(res.other_cpu_frac, frac)
+        res.output_tokens = sum(runs[-1]["output_tokens"])
+        results[wname] = res
+    return results
+
+
+def wl_args(paths: dict[str, Path], names: list[str]) -> list[str]:
+    return [a for n in names for a in ("--workload", f"{n}={paths[n]}")]
+
+
+def run_engines(
+    args: argparse.Namespace, paths: dict[str, Path], workloads: dict[str, list[BenchRequest]]
+) -> dict[tuple[str, str], EngineResult]:
+    ncpu = os.cpu_count() or 1
+    py = sys.executable
+    common = ["--repeats", str(args.repeats), "--idle-wait", str(args.idle_wait)]
+    names = list(workloads)
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
+    found: dict[tuple[str, str], EngineResult] = {}
+    engines = args.engines.split(",")
+
+    def add(data: dict | None, label: str) -> None:
+        if data is not None:
+            for w, r in collect(data, label, workloads, ncpu).items():
+                found[(label, w)] = r
+
+    if "tokenloom" in engines:
+        cmd = [py, str(PEERS / "worker_tokenloom.py"), *wl_args(paths, names), *common]
+        if args.tokenloom_model:
+            cmd += ["--model", args.tokenloom_model]
+        data = run_worker("tokenloom", cmd, env, args.workdir, args.timeout)
+        if data is None:
+            print("   tokenloom: skipped (see the log above; is tokenloom.LLM importable yet?)")
+        add(data, "tokenloom")
+
+    if "vllm" in engines:
+        vpy = Path(args.vllm_python)
+        if not vpy.exists():
+            print(f"\n== vllm: skipped, {vpy} missing (run benchmarks/peers/setup_vllm.sh)")
+        else:
+            venv = {
+                **env,
+                "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_space),
+                "VLLM_CACHE_ROOT": str(ROOT / ".bench" / "vllm-cache"),
+            }
+            cmd = [str(vpy), str(PEERS / "worker_vllm.py"), *wl_args(paths, names), *common]
+            cmd += ["--model", str(args.hf_model)]
+            add(run_worker("vllm", cmd, venv, args.workdir, args.timeout), "vllm")
+
+    if "hf" in engines:
+        add(run_hf_sweep(args, paths, workloads, env, ncpu), "hf")
+
+    if "llamacpp" in engines:
+        server = Path(args.llama_server)
+        if not server.exists():
+            print(f"\n== llamacpp: skipped, {server} missing (benchmarks/peers/setup_llamacpp.sh)")
+        else:
+            cmd = [py, str(PEERS / "worker_llamacpp.py"), *wl_args(paths, names), *common]
+            cmd += ["--server", str(server), "--gguf", str(args.gguf)]
+            add(run_worker("llamacpp", cmd, env, args.workdir, args.timeout), "llama.cpp")
+    return found
+
+
+def run_hf_sweep(
+    args: argparse.Namespace,
+    paths: dict[str, Path],
+    workloads: dict[str, list[BenchRequest]],
+    env: dict[str, str],
+    ncpu: int,
+) -> dict | None:
+    """One run per batch size, then the best size per workload gets the remaining repeats."""
+    py = sys.executable
+    sizes = [int(s) for s in args.hf_batch_sizes.split(",")]
+    names = list(workloads)
+    sweep: dict[str, dict[int, dict]] = {n: {} for n in names}
+    configs: dict[int, dict] = {}
+    for bs in sizes:
+        cmd = [py, str(PEERS / "worker_hf.py"), *wl_args(paths, names), "--repeats", "1"]
+        cmd += ["--idle-wait", str(args.idle_wait), "--model", str(args.hf_model)]
+        cmd += ["--batch-size", str(bs)]
+        data = run_worker(f"hf-bs{bs}", cmd, env, args.workdir, args.timeout)
+        if data is None:
+            continue
+        configs[bs] = data
+        for n in names:
+            sweep[n][bs] = data["runs"][n][0]
+    if not configs:
+        return None
+    merged: dict[str, Any] = {"runs": {}, "config": {"sweep_walls_s": {}}, "load_s": 0.0}
+    for n in names:
+        if not sweep[n]:
+            continue
+        best = min(sweep[n], key=lambda b: sweep[n][b]["wall_s"])
+        merged["config"]["sweep_walls_s"][n] = {b: r["wall_s"] for b, r in sweep[n].items()}
+        merged["config"][f"best_batch_size[{n}]"] = best
+        runs = [sweep[n][best]]
+        if args.repeats > 1:
+            cmd = [py, str(PEERS / "worker_hf.py"), *wl_args(paths, [n])]
+            cmd += ["--repeats", str(args.repeats - 1), "--idle-wait", str(args.idle_wait)]
+            cmd += ["--model", str(args.hf_model), "--batch-size", str(best)]
+            data = run_worker(f"hf-bs{best}-{n}", cmd, env, args.workdir, args.timeout)
+            if data is not None:
+                runs += data["runs"][n]
+        merged["runs"][n] = runs
+    merged["config"]["transformers_version"] = next(iter(configs.values()))["config"].get(
+        "transformers_version"
+    )
+    return merged
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def machine_info() -> str:
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import psutil
+
+    mem = psutil.virtual_memory().total / 2**30
+    return f"{model}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.platform()}"
+
+
+def fmt_rate(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def write_report(
+    args: argparse.Namespace,
+    results: dict[tuple[str, str], EngineResult],
+    workloads: dict[str, list[BenchRequest]],
+    ceilings: dict[str, float],
+    floors: dict[str, tuple[float, float]],
+    command: str,
+) -> None:
+    from tokenloom.bench.plots import plot_throughput_bars
+
+    rows, bars, warnings = [], [], []
+    for wname, reqs in workloads.items():
+        n_in = sum(r.prompt_len for r in reqs)
+        n_out = sum(r.max_tokens for r in reqs)
+        base = results.get(("tokenloom", wname))
+        for (eng, w), res in results.items():
+            if w != wname:
+                continue
+            out_tps, tot_tps = n_out / res.wall, (n_in + n_out) / res.wall
+            ratio = f"{res.wall and base.wall / res.wall:.2f}x" if base else "n/a"
+            hit = f"{res.cached_tokens / n_in:.0%}" if eng in ("tokenloom", "vllm") else "-"
+            lengths = "ok" if res.lengths_ok else f"MISMATCH ({res.output_tokens}/{n_out})"
+            extra = ""
+            bs = res.config.get(f"best_batch_size[{wname}]")
+            if bs:
+                extra = f" (batch {bs})"
+            rows.append(
+                f"| {eng}{extra} | {wname} | {fmt_rate(out_tps)} | {fmt_rate(tot_tps)} | "
+                f"{res.wall:.2f} | {ratio} | {hit} | {lengths} | {len(res.walls)} | "
+                f"{res.other_cpu_frac:.0%} |"
+            )
+            bars.append((eng, wname, out_tps))
+            if res.other_cpu_frac > BUSY_WARN_FRACTION:
+                warnings.append(
+                    f"- {eng} / {wname}: other processes used up to {res.other_cpu_frac:.0%} "
+                    "of the machine during a timed run; treat this figure as noisy."
+                )
+    png = plot_throughput_bars(bars, args.out_png) if bars else None
+    wl_lines = []
+    for wname, reqs in workloads.items():
+        n_in = sum(r.prompt_len for r in reqs)
+        n_out = sum(r.max_tokens for r in reqs)
+        f32, f32_cached = floors[wname]
+        wl_lines.append(
+            f"| {wname} | {len(reqs)} | {n_in} | {n_out} | {f32:.1f} | {f32_cached:.1f} |"
+        )
+    details = []
+    for (eng, w), res in results.items():
+        walls = ", ".join(f"{x:.2f}" for x in res.walls)
+        details.append(
+            f"- {eng} / {w}: walls [{walls}] s; start-up {res.load_s:.0f} s; {res.config}"
+        )
+    text = f"""# tokenloom vs. peer engines (offline throughput)
+
+Produced by `benchmarks/compare_peers.py` on {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}:
+
+```
+{command}
+```
+
+Machine: {machine_info()}.
+Matmul ceilings (torch, {args.ceiling_n}x{args.ceiling_n}, 2 threads): fp32 {ceilings["float32"]:.0f} GFLOP/s, bf16 {ceilings["bfloat16"]:.0f} GFLOP/s.
+
+## Workloads
+
+Seeded (seed {args.seed}), token-id prompts, greedy, `ignore_eos`, fixed `max_tokens`
+per request; every engine gets exactly the same requests, all submitted at once.
+"main": 128 requests, prompt lengths log-uniform in 32-512, output lengths
+log-uniform in 16-256. "shared-prefix": 64 requests behind one 400-token
+system prompt + 16 unique tokens, 64 output tokens each.
+
+| workload | requests | prompt tokens | output tokens | fp32 compute floor (s) | floor with prefix cache (s) |
+|---|---|---|---|---|---|
+{chr(10).join(wl_lines)}
+
+The floor is model FLOPs (2 x params per token fed + attention) over the fp32 ceiling.
+
+## Results
+
+Median of the runs; throughput counts the requested tokens (each engine's
+returned token counts were verified against them: "lengths"). Ratio =
+tokenloom's wall time / the engine's (above 1: faster than tokenloom).
+"others" = the most CPU other processes took during a timed run, as a share of the machine.
+
+| engine | workload | output tok/s | total tok/s | wall s | ratio to tokenloom | prefix-cache hits | lengths | runs | others |
+|---|---|---|---|---|---|---|---|---|---|
+{chr(10).join(rows)}
+
+{"![output tokens/s](" + Path(png).name + ")" if png else ""}
+
+{"Warnings:" + chr(10) + chr(10).join(warnings) if warnings else "No run was disturbed by more than 10% of the machine."}
+
+## Method
+
+- Each engine runs in its own subprocess; model load, compilation and one common
+  warm-up (4 prompts x 32 tokens, 8 output tokens) are not timed. The prefix cache is
+  reset before every timed run (vLLM: `reset_prefix_cache()`; tokenloom: the scheduler's
+  reset, when reachable), so repeats never reuse a previous run's cache.
+- Weights: the bundled SmolLM2-135M-Instruct Q4_1 GGUF, dequantized. vLLM and
+  transformers read the fp32 HF export made by `benchmarks/peers/export_hf.py`;
+  tokenloom reads the GGUF and runs fp32; llama.cpp (if present) runs the 4-bit GGUF as is.
+- vLLM: CPU build in its own venv, `VLLM_CPU_OMP_THREADS_BIND=0-1`, prefix caching on,
+  `LLM.generate` on token-id prompts. transformers: static batches in workload order,
+  left-padded, each batch decoding to its longest request; one run per batch size
+  ({args.hf_batch_sizes}), then more runs of the best size.
+- Before each run a worker waits (up to {args.idle_wait:.0f} s) for other processes to
+  use less than a quarter of the cores.
+
+<details><summary>Per-run data</summary>
+
+{chr(10).join(details)}
+
+</details>
+"""
+    Path(args.out_md).write_text(text)
+    print(f"\nwrote {args.out_md}" + (f" and {png}" if png else ""))
+    print("\n".join(rows))
+    if warnings:
+        print("\n".join(warnings))
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", default="tokenloom,vllm,hf,llamacpp")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-model", type=Path, default=ROOT / ".bench" / "smollm2-hf")
+    ap.add_argument("--hf-batch-sizes", default="16,64,128")
+    ap.add_argument("--tokenloom-model", default=None, help="default: the bundled GGUF")
+    ap.add_argument("--vllm-python", default=str(ROOT / ".bench" / "vllm" / "bin" / "python"))
+    ap.add_argument("--vllm-kv-space", type=int, default=4, help="GiB")
+    ap.add_argument(
+        "--llama-server", default=str(ROOT / ".bench" / "llamacpp" / "bin" / "llama-server")
+    )
+    ap.add_argument("--gguf", default=None, help="default: the bundled GGUF")
+    ap.add_argument("--idle-wait", type=float, default=30.0)
+    ap.add_argument("--timeout", type=float, default=3600.0, help="per worker process")
+    ap.add_argument("--ceiling-n", type=int, default=1024)
+    ap.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "work")
+    ap.add_argument("--out-md", type=Path, default=ROOT / "docs" / "peers.md")
+    ap.add_argument("--out-png", type=Path, default=ROOT / "docs" / "peers.png")
+    args = ap.parse_args()
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    unknown = set(args.engines.split(",")) - set(ALL_ENGINES)
+    if unknown:
+        raise SystemExit(f"unknown engine(s) {sorted(unknown)}; choose from {ALL_ENGINES}")
+    command = shlex.join(["python", "benchmarks/compare_peers.py", *sys.argv[1:]])
+    args.workdir.mkdir(parents=True, exist_ok=True)
+
+    if not (args.hf_model / "config.json").exists():
+        print(f"exporting the default model to {args.hf_model} ...", flush=True)
+        subprocess.run(
+            [sys.executable, str(PEERS / "export_hf.py"), "--out", str(args.hf_model)], check=True
+        )
+    if args.gguf is None:
+        sys.path.insert(0, str(PEERS))
+        from export_hf import default_gguf_path
+
+        args.gguf = str(default_gguf_path())
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(args.hf_model))
+    workloads = build_workloads(tokenizer, args.seed)
+    paths = {}
+    for name, reqs in workloads.items():
+        paths[name] = args.workdir / f"workload-{name}.json"
+        save_workload(reqs, paths[name])
+
+    print("measuring matmul ceilings ...", flush=True)
+    ceilings = {dt: matmul_ceiling_gflops(dt, args.ceiling_n) for dt in ("float32", "bfloat16")}
+    cfg = json.loads((args.hf_model / "config.json").read_text())
+    floors = {}
+    for name, reqs in workloads.items():
+        flops = model_flops(cfg, reqs)
+        cached = 400 if name == "shared-prefix" else 0
+        flops_cached = model_flops(cfg, reqs, prefix_cached=cached)
+        floors[name] = (
+            flops / (ceilings["float32"] * 1e9),
+            flops_cached / (ceilings["float32"] * 1e9),
+        )
+        print(
+            f"  {name}: {flops / 1e12:.2f} TFLOP -> fp32 floor {floors[name][0]:.1f} s "
+            f"(bf16 {flops / (ceilings['bfloat16'] * 1e9):.1f} s)"
+        )
+    print(f"  fp32 {ceilings['float32']:.0f} GFLOP/s, bf16 {ceilings['bfloat16']:.0f} GFLOP/s")
+
+    results = run_engines(args, paths, workloads)
+    (args.workdir / "results.json").write_text(
+        json.dumps({f"{e}/{w}": vars(r) for (e, w), r in results.items()}, indent=1)
+    )
+    write_report(args, results, workloads, ceilings, floors, command)
+
+
+if __name__ == "__main__":
+    main()

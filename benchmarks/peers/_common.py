@@ -1,0 +1,123 @@
+"""Helpers shared by the peer worker scripts (stdlib + psutil only).
+
+Every worker is run with its own engine's Python (the vLLM venv, the main
+venv, ...), so this file must not import tokenloom or any engine.
+Protocol: a worker loads its engine (untimed), runs the same warm-up
+(untimed), then for each workload and repeat resets any prefix cache, waits
+for the machine to calm down, and times one pass over the whole workload.
+It writes JSON: {"engine", "config", "load_s", "runs": {workload: [run...]}}
+where a run is {"wall_s", "output_tokens": [per request], "cached_tokens",
+"own_cpu_s", "other_cpu_s", "busy_wait_s"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+# The same untimed warm-up for every engine: 4 prompts of 32 tokens, 8 tokens out.
+WARMUP = [{"prompt_token_ids": [100 + i + j for j in range(32)], "max_tokens": 8} for i in range(4)]
+
+
+def load_workload(path: str) -> list[dict[str, Any]]:
+    return json.loads(Path(path).read_text())
+
+
+def _busy(t: Any) -> float:
+    return float(t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0))
+
+
+def _own_tree_cpu() -> float:
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            pass
+    return total
+
+
+class CpuMonitor:
+    """CPU seconds used by other processes (machine busy time minus our process tree)."""
+
+    def __enter__(self) -> CpuMonitor:
+        self._busy0, self._own0, self._t0 = _busy(psutil.cpu_times()), _own_tree_cpu(), time.time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.own_cpu_s = _own_tree_cpu() - self._own0
+        self.other_cpu_s = max(0.0, _busy(psutil.cpu_times()) - self._busy0 - self.own_cpu_s)
+
+
+def wait_for_idle(max_wait_s: float, threshold: float = 0.25) -> float:
+    """Wait (up to max_wait_s) until others use < threshold of the cores; returns seconds waited."""
+    t0 = time.time()
+    ncpu = psutil.cpu_count() or 1
+    while time.time() - t0 < max_wait_s:
+        own0, busy0 = _own_tree_cpu(), _busy(psutil.cpu_times())
+        time.sleep(1.0)
+        other = _busy(psutil.cpu_times()) - busy0 - (_own_tree_cpu() - own0)
+        if other < threshold * ncpu:
+            break
+    return time.time() - t0
+
+
+def worker_args(description: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--workload", action="append", required=True, help="NAME=path.json")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--idle-wait", type=float, default=30.0, help="max seconds to wait for idle")
+    ap.add_argument("--threads", type=int, default=2)
+    return ap
+
+
+def run_all(
+    args: argparse.Namespace,
+    run_once: Callable[[list[dict[str, Any]]], tuple[list[int], int]],
+    reset_cache: Callable[[], object],
+    engine: str,
+    config: dict[str, Any],
+    load_s: float,
+) -> None:
+    """Warm up, then time ``run_once(workload) -> (output token counts, cached tokens)``."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    run_once(WARMUP)
+    reset_cache()
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for spec in args.workload:
+        name, path = spec.split("=", 1)
+        workload = load_workload(path)
+        runs[name] = []
+        for rep in range(args.repeats):
+            reset_cache()
+            waited = wait_for_idle(args.idle_wait)
+            with CpuMonitor() as mon:
+                t0 = time.perf_counter()
+                counts, cached = run_once(workload)
+                wall = time.perf_counter() - t0
+            run = {
+                "wall_s": wall,
+                "output_tokens": counts,
+                "cached_tokens": cached,
+                "own_cpu_s": mon.own_cpu_s,
+                "other_cpu_s": mon.other_cpu_s,
+                "busy_wait_s": waited,
+            }
+            runs[name].append(run)
+            print(
+                f"[{engine}] {name} rep {rep + 1}/{args.repeats}: {wall:.2f} s, "
+                f"{sum(counts)} out tokens, other procs {mon.other_cpu_s:.1f} cpu-s",
+                flush=True,
+            )
+    out = {"engine": engine, "config": config, "load_s": load_s, "runs": runs}
+    Path(args.out).write_text(json.dumps(out))
