@@ -69,6 +69,14 @@ class KVCacheManager:
         """Requests currently holding blocks."""
         return len(self._requests)
 
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks a request can ever get: all but the null block."""
+        return self.num_blocks - 1
+
+    def create_empty_block_list(self) -> KVCacheBlocks:
+        return EMPTY_BLOCKS
+
     def get_block_ids(self, request_id: str) -> list[int]:
         state = self._requests.get(request_id)
         if state is None:
@@ -131,7 +139,9 @@ class KVCacheManager:
         at once, so later lookups can hit them.
         """
         state = self._requests.get(request.request_id)
-        if state is not None and new_computed_blocks is None:
+        if state is not None and (
+            new_computed_blocks is None or new_computed_blocks is EMPTY_BLOCKS
+        ):
             # Hot path: a running request whose tokens fit its blocks and fill no block.
             end = request.num_computed_tokens + num_new_tokens
             if end < state.next_cache_end and end + num_lookahead_tokens <= state.capacity:
@@ -172,6 +182,14 @@ class KVCacheManager:
             raise ValueError(
                 "new_computed_blocks must directly follow the request's computed tokens"
             )
+
+        hashes = request.block_hashes
+        for i, block in enumerate(computed, num_held):
+            if block.block_hash is None or i >= len(hashes) or block.block_hash != hashes[i]:
+                raise ValueError(
+                    f"new_computed_blocks of request {request.request_id!r} are not a current "
+                    "prefix hit (call get_computed_blocks right before allocate_slots)"
+                )
 
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
