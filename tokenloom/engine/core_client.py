@@ -175,7 +175,9 @@ class MPClient:
         self._input = self._sync_context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(input_address)
+        # Each sender connects and each receiver binds: a connecting socket queues
+        # messages at once, before the peer is reachable, so no send ever fails.
+        self._input.connect(input_address)
         self._async_context = zmq.asyncio.Context()
         self._output = self._async_context.socket(zmq.PULL)
         self._output.setsockopt(zmq.RCVHWM, 0)

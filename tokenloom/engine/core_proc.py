@@ -77,7 +77,7 @@ def run_engine_core(
 
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)
-    input_socket.connect(input_address)
+    input_socket.bind(input_address)
     output_socket = context.socket(zmq.PUSH)
     output_socket.setsockopt(zmq.SNDHWM, 0)
     output_socket.setsockopt(zmq.LINGER, 1000)
