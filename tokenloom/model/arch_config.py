@@ -156,18 +156,14 @@ def _from_hf_dir(path: Path) -> ModelArchConfig:
     )
 
 
-def _gguf_value(reader: Any, key: str, default: Any = None) -> Any:
-    field_ = reader.fields.get(key)
-    if field_ is None:
-        return default
-    return field_.contents()
-
-
 def _from_gguf(path: Path) -> ModelArchConfig:
-    from tokenloom.model.gguf_loader import open_gguf
+    from gguf.quants import dequantize
 
-    reader = open_gguf(path)
-    gguf_arch = _gguf_value(reader, "general.architecture")
+    from tokenloom.model.gguf_reader import open_gguf
+
+    gguf_file = open_gguf(path)
+    meta = gguf_file.metadata
+    gguf_arch = meta.get("general.architecture")
     if gguf_arch not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF architecture {gguf_arch!r} in {path}; "
@@ -175,7 +171,7 @@ def _from_gguf(path: Path) -> ModelArchConfig:
         )
 
     def get(key: str, default: Any = None) -> Any:
-        return _gguf_value(reader, f"{gguf_arch}.{key}", default)
+        return meta.get(f"{gguf_arch}.{key}", default)
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
@@ -183,13 +179,14 @@ def _from_gguf(path: Path) -> ModelArchConfig:
     rope_dims = int(get("rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise ValueError(f"partial rotary embeddings ({rope_dims} of {head_dim}) unsupported")
-    tensor_names = {t.name: t for t in reader.tensors}
-    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    tensors = gguf_file.tensor_by_name
+    vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
 
     rope_scaling: dict[str, Any] | None = None
     scaling_type = get("rope.scaling.type", "none")
-    if "rope_freqs.weight" in tensor_names:
-        factors = [float(x) for x in tensor_names["rope_freqs.weight"].data]
+    if "rope_freqs.weight" in tensors:
+        info = tensors["rope_freqs.weight"]
+        factors = dequantize(gguf_file.raw_tensor(info), info.ggml_type).ravel().tolist()
         rope_scaling = {"rope_type": "freq_factors", "factors": factors}
     elif scaling_type == "linear":
         rope_scaling = _normalise_rope(
@@ -198,8 +195,8 @@ def _from_gguf(path: Path) -> ModelArchConfig:
     elif scaling_type not in ("none", None):
         raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r} in {path}")
 
-    eos = _id_list(_gguf_value(reader, "tokenizer.ggml.eos_token_id"))
-    for token in _id_list(_gguf_value(reader, "tokenizer.ggml.eot_token_id")):
+    eos = _id_list(meta.get("tokenizer.ggml.eos_token_id"))
+    for token in _id_list(meta.get("tokenizer.ggml.eot_token_id")):
         if token not in eos:
             eos.append(token)
     return ModelArchConfig(
@@ -215,8 +212,8 @@ def _from_gguf(path: Path) -> ModelArchConfig:
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        bos_token_id=_gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos,
     )

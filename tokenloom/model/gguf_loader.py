@@ -1,4 +1,4 @@
-"""Reading llama.cpp GGUF files: metadata reader cache and dequantised weights.
+"""Dequantised weights from llama.cpp GGUF files.
 
 ``iter_gguf_weights(path, arch)`` yields ``(hf_name, float32 tensor)`` pairs,
 so the model's ``load_weights`` serves GGUF and safetensors alike. Quantised
@@ -11,16 +11,15 @@ it to get back the rotate-half layout. "qwen2" files are not permuted.
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from tokenloom.model.arch_config import ModelArchConfig
+from tokenloom.model.gguf_reader import open_gguf
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _GLOBAL_NAMES = {
@@ -39,19 +38,6 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-
-@functools.lru_cache(maxsize=2)
-def _cached_reader(path: str, mtime_ns: int) -> Any:
-    from gguf import GGUFReader
-
-    return GGUFReader(path)
-
-
-def open_gguf(path: str | Path) -> Any:
-    """A GGUFReader, cached: parsing the metadata of a big vocabulary takes seconds."""
-    path = Path(path).resolve()
-    return _cached_reader(str(path), path.stat().st_mtime_ns)
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -81,18 +67,15 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
-    reader = open_gguf(path)
-    gguf_arch = reader.fields["general.architecture"].contents()
-    permute = gguf_arch == "llama"
-    for tensor in reader.tensors:
-        hf_name = gguf_to_hf_name(tensor.name)
+    gguf_file = open_gguf(path)
+    permute = gguf_file.metadata["general.architecture"] == "llama"
+    for info in gguf_file.tensors:
+        hf_name = gguf_to_hf_name(info.name)
         if hf_name is None:
             continue
-        data = dequantize(tensor.data, tensor.tensor_type)
-        # numpy order is the reverse of GGUF's dims: [out, in] for matrices.
-        shape = tuple(int(d) for d in reversed(tensor.shape))
+        data = dequantize(gguf_file.raw_tensor(info), info.ggml_type).reshape(info.shape)
         # Copy out of the read-only memory map (torch wants writable arrays).
-        data = np.require(data.reshape(shape), np.float32, ["C", "W"])
+        data = np.require(data, np.float32, ["C", "W"])
         if permute and ".q_proj." in hf_name:
             data = unpermute_rope_rows(data, arch.num_attention_heads)
         elif permute and ".k_proj." in hf_name:
