@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
+from itertools import repeat
 
 from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.core.kv_cache.manager import KVCacheManager
@@ -38,6 +39,24 @@ from tokenloom.request import FinishReason, Request, RequestStatus
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
 _PREEMPTED = RequestStatus.PREEMPTED
+
+
+def _stops(request: Request, token: int, max_model_len: int) -> bool:
+    """``append_until_stop`` for one token already appended (the decode fast path)."""
+    params = request.sampling_params
+    num_out = request.num_output_tokens
+    if num_out >= params.min_tokens:
+        if token == request.eos_token_id and not params.ignore_eos:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if token in request.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token
+            return True
+    if num_out >= request.max_tokens or request.num_tokens >= max_model_len:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False
 
 
 class Scheduler(SchedulerInterface):
@@ -161,20 +180,21 @@ class Scheduler(SchedulerInterface):
         spec_tokens: dict[str, list[int]] = {}
         preempted_ids: set[str] = self._preempted_outside
         self._preempted_outside = set()
-        # Column-wise CachedRequestData for running requests, plus the request
-        # objects so a victim scheduled earlier in this step can be taken out.
-        sched_running: list[Request] = []
+        # CachedRequestData for running requests, built column-wise.
         cached_ids: list[str] = []
         cached_blocks: list[list[int] | None] = []
         cached_computed: list[int] = []
 
         index = 0
-        while index < len(running) and token_budget > 0:
+        num_running = len(running)
+        while index < num_running and token_budget > 0:
             request = running[index]
             num_computed = request.num_computed_tokens
             num_tokens = request.num_tokens
             spec = request.spec_token_ids
-            num_new = num_tokens + len(spec) - num_computed
+            num_new = num_tokens - num_computed
+            if spec:
+                num_new += len(spec)
             if num_new > chunk_cap:
                 num_new = chunk_cap
             if num_new > token_budget:
@@ -194,6 +214,7 @@ class Scheduler(SchedulerInterface):
                 victim_index = self._pick_victim()
                 victim = running[victim_index]
                 self._preempt(victim_index)
+                num_running -= 1
                 preempted_ids.add(victim.request_id)
                 if victim is request:
                     break
@@ -201,16 +222,16 @@ class Scheduler(SchedulerInterface):
                     index -= 1
                 if victim.request_id in num_scheduled:
                     token_budget += self._unschedule(
-                        victim, sched_running, cached_ids, cached_blocks, cached_computed,
+                        victim.request_id, cached_ids, cached_blocks, cached_computed,
                         num_scheduled, spec_tokens,
                     )  # fmt: skip
                 new_blocks = allocate(request, num_new - num_spec, 0, None, num_spec)
             if new_blocks is None:
                 break
             req_id = request.request_id
-            sched_running.append(request)
             cached_ids.append(req_id)
-            cached_blocks.append(new_blocks.get_block_ids() or None)
+            blocks = new_blocks.blocks
+            cached_blocks.append([b.block_id for b in blocks] if blocks else None)
             cached_computed.append(num_computed)
             num_scheduled[req_id] = num_new
             token_budget -= num_new
@@ -223,7 +244,8 @@ class Scheduler(SchedulerInterface):
             index += 1
 
         new_reqs: list[NewRequestData] = []
-        new_token_ids: list[list[int]] = [[] for _ in cached_ids]
+        # A fresh empty list per running request (they already hold their tokens).
+        new_token_ids: list[list[int]] = list(map(list, repeat((), len(cached_ids))))
         resumed_ids: set[str] = set()
         if not preempted_ids and self.waiting:
             token_budget = self._admit_waiting(
@@ -363,8 +385,7 @@ class Scheduler(SchedulerInterface):
 
     @staticmethod
     def _unschedule(
-        victim: Request,
-        sched_running: list[Request],
+        victim_id: str,
         cached_ids: list[str],
         cached_blocks: list[list[int] | None],
         cached_computed: list[int],
@@ -372,10 +393,10 @@ class Scheduler(SchedulerInterface):
         spec_tokens: dict[str, list[int]],
     ) -> int:
         """Take a victim scheduled earlier in this step out of the step; returns its tokens."""
-        i = sched_running.index(victim)
-        del sched_running[i], cached_ids[i], cached_blocks[i], cached_computed[i]
-        spec_tokens.pop(victim.request_id, None)
-        return num_scheduled.pop(victim.request_id)
+        i = cached_ids.index(victim_id)
+        del cached_ids[i], cached_blocks[i], cached_computed[i]
+        spec_tokens.pop(victim_id, None)
+        return num_scheduled.pop(victim_id)
 
     # ------------------------------------------------------------------ outputs
 
@@ -383,23 +404,24 @@ class Scheduler(SchedulerInterface):
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         requests = self.requests
-        index_of = model_runner_output.req_id_to_index
-        sampled_all = model_runner_output.sampled_token_ids
         logprobs_all = model_runner_output.logprobs
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
+        scheduled = scheduler_output.num_scheduled_tokens
         max_model_len = self.max_model_len
 
         per_client: dict[int, list[EngineCoreOutput]] = {}
         client = -1
         client_outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
-        for req_id in scheduler_output.num_scheduled_tokens:
+        index = -1
+        for req_id, sampled in zip(
+            model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
+        ):
+            index += 1
             request = requests.get(req_id)
             # Finished, aborted or preempted since schedule(): nothing to apply.
-            if request is None or request.status != _RUNNING:
+            if request is None or request.status != _RUNNING or req_id not in scheduled:
                 continue
-            index = index_of.get(req_id)
-            sampled = sampled_all[index] if index is not None else []
             if request.spec_token_ids:
                 request.spec_token_ids = []
             if spec_scheduled:
@@ -409,29 +431,38 @@ class Scheduler(SchedulerInterface):
                     request.num_computed_tokens -= len(drafts) - accepted
             if not sampled:
                 continue  # a partial prefill produces no token
-            new_tokens = append_until_stop(request, sampled, max_model_len)
-            logprobs = (
-                logprobs_all[index] if logprobs_all is not None and index is not None else None
-            )
+            if len(sampled) == 1:
+                new_tokens = sampled
+                request.append_output_token_ids(sampled)
+                if _stops(request, sampled[0], max_model_len):
+                    finished.append(request)
+            else:
+                new_tokens = append_until_stop(request, sampled, max_model_len)
+                if request.status != _RUNNING:
+                    finished.append(request)
+            logprobs = logprobs_all[index] if logprobs_all is not None else None
             if logprobs is not None and len(logprobs) > len(new_tokens):
                 logprobs = logprobs[: len(new_tokens)]
-            reason = None
-            if request.status != _RUNNING:
-                finished.append(request)
-                reason = request.get_finished_reason()
             if request.client_index != client:
                 client = request.client_index
                 client_outputs = per_client.setdefault(client, [])
-            client_outputs.append(
-                EngineCoreOutput(
-                    req_id,
-                    new_tokens,
-                    reason,
-                    request.stop_reason if reason is not None else None,
-                    request.num_cached_tokens,
-                    logprobs,
+            if request.status == _RUNNING:
+                client_outputs.append(
+                    EngineCoreOutput(
+                        req_id, new_tokens, None, None, request.num_cached_tokens, logprobs
+                    )
                 )
-            )
+            else:
+                client_outputs.append(
+                    EngineCoreOutput(
+                        req_id,
+                        new_tokens,
+                        request.get_finished_reason(),
+                        request.stop_reason,
+                        request.num_cached_tokens,
+                        logprobs,
+                    )
+                )
 
         if finished:
             free = self.kv_cache_manager.free
