@@ -18,6 +18,7 @@ benchmarks/peers/setup_llamacpp.sh (see /work/shared/PEERS.md).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -45,6 +46,7 @@ from tokenloom.bench.datasets import (  # noqa: E402
 
 ALL_ENGINES = ("tokenloom", "vllm", "hf", "llamacpp")
 BUSY_WARN_FRACTION = 0.10  # warn when others used >10% of the machine during a run
+COMMAND = ""  # this invocation, as recorded in the report and in each engine's results
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -149,7 +151,22 @@ def run_worker(
         )
         print("\n".join("   | " + x for x in tail[-8:]))
         return None
-    return json.loads(out.read_text())
+    data = json.loads(out.read_text())
+    # Stamp what was measured, so --reuse can check it against this run's workloads.
+    data["workload_sha"] = {n: workload_sha(p) for n, p in _workload_specs(cmd)}
+    data["finished_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    data["command"] = COMMAND
+    out.write_text(json.dumps(data))
+    return data
+
+
+def workload_sha(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def _workload_specs(cmd: list[str]) -> list[tuple[str, str]]:
+    specs = [cmd[i + 1].split("=", 1) for i, a in enumerate(cmd[:-1]) if a == "--workload"]
+    return [(s[0], s[1]) for s in specs]
 
 
 def collect(
@@ -187,6 +204,24 @@ def run_engines(
     env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
     found: dict[tuple[str, str], EngineResult] = {}
     engines = args.engines.split(",")
+    reused = [e for e in (args.reuse.split(",") if args.reuse else []) if e not in engines]
+    labels = {"llamacpp": "llama.cpp"}
+    for eng in reused:
+        path = args.workdir / f"{eng}.json"
+        if not path.exists():
+            print(f"== {eng}: nothing to reuse at {path}")
+            continue
+        data = json.loads(path.read_text())
+        shas = data.get("workload_sha", {})
+        if any(shas.get(n) != workload_sha(p) for n, p in paths.items() if n in data["runs"]):
+            print(f"== {eng}: earlier results were for different workloads; not reused")
+            continue
+        print(f"== {eng}: reusing results from {data.get('finished_at')} ({data.get('command')})")
+        data.setdefault("config", {})["reused_from"] = (
+            f"{data.get('finished_at')}: {data.get('command')}"
+        )
+        for w, r in collect(data, labels.get(eng, eng), workloads, ncpu).items():
+            found[(r.engine, w)] = r
 
     def add(data: dict | None, label: str) -> None:
         if data is not None:
@@ -275,6 +310,10 @@ def run_hf_sweep(
     merged["config"]["transformers_version"] = next(iter(configs.values()))["config"].get(
         "transformers_version"
     )
+    merged["workload_sha"] = {n: workload_sha(paths[n]) for n in merged["runs"]}
+    merged["finished_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    merged["command"] = COMMAND
+    (args.workdir / "hf.json").write_text(json.dumps(merged))
     return merged
 
 
@@ -311,6 +350,7 @@ def write_report(
     from tokenloom.bench.plots import plot_throughput_bars
 
     rows, bars, warnings = [], [], []
+    reused: set[str] = set()
     for wname, reqs in workloads.items():
         n_in = sum(r.prompt_len for r in reqs)
         n_out = sum(r.max_tokens for r in reqs)
@@ -326,6 +366,9 @@ def write_report(
             bs = res.config.get(f"best_batch_size[{wname}]")
             if bs:
                 extra = f" (batch {bs})"
+            if res.config.get("reused_from"):
+                extra += " [earlier run]"
+                reused.add(f"- {eng}: {res.config['reused_from']}")
             rows.append(
                 f"| {eng}{extra} | {wname} | {fmt_rate(out_tps)} | {fmt_rate(tot_tps)} | "
                 f"{res.wall:.2f} | {ratio} | {hit} | {lengths} | {len(res.walls)} | "
@@ -352,6 +395,14 @@ def write_report(
         details.append(
             f"- {eng} / {w}: walls [{walls}] s; start-up {res.load_s:.0f} s; {res.config}"
         )
+    reused_text = (
+        "\nRows marked [earlier run] were measured by an earlier invocation on identical "
+        "workloads (same seed, same bytes) and included with `--reuse`:\n\n"
+        + "\n".join(sorted(reused))
+        + "\n"
+        if reused
+        else ""
+    )
     text = f"""# tokenloom vs. peer engines (offline throughput)
 
 Produced by `benchmarks/compare_peers.py` on {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}:
@@ -359,6 +410,7 @@ Produced by `benchmarks/compare_peers.py` on {time.strftime("%Y-%m-%d %H:%M UTC"
 ```
 {command}
 ```
+{reused_text}
 
 Machine: {machine_info()}.
 Matmul ceilings (torch, {args.ceiling_n}x{args.ceiling_n}, 2 threads): fp32 {ceilings["float32"]:.0f} GFLOP/s, bf16 {ceilings["bfloat16"]:.0f} GFLOP/s.
@@ -439,6 +491,12 @@ def main() -> None:
     )
     ap.add_argument("--gguf", default=None, help="default: the bundled GGUF")
     ap.add_argument("--idle-wait", type=float, default=30.0)
+    ap.add_argument(
+        "--reuse",
+        default="",
+        help="engines (not in --engines) whose results from an earlier run in --workdir are "
+        "included, if they were measured on identical workloads; the report says so",
+    )
     ap.add_argument("--timeout", type=float, default=3600.0, help="per worker process")
     ap.add_argument("--ceiling-n", type=int, default=1024)
     ap.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "work")
@@ -450,7 +508,8 @@ def main() -> None:
     unknown = set(args.engines.split(",")) - set(ALL_ENGINES)
     if unknown:
         raise SystemExit(f"unknown engine(s) {sorted(unknown)}; choose from {ALL_ENGINES}")
-    command = shlex.join(["python", "benchmarks/compare_peers.py", *sys.argv[1:]])
+    global COMMAND
+    command = COMMAND = shlex.join(["python", "benchmarks/compare_peers.py", *sys.argv[1:]])
     args.workdir.mkdir(parents=True, exist_ok=True)
 
     if not (args.hf_model / "config.json").exists():
@@ -473,7 +532,11 @@ def main() -> None:
         paths[name] = args.workdir / f"workload-{name}.json"
         save_workload(reqs, paths[name])
 
+    sys.path.insert(0, str(PEERS))
+    from _common import wait_for_idle
+
     print("measuring matmul ceilings ...", flush=True)
+    wait_for_idle(args.idle_wait)
     ceilings = {dt: matmul_ceiling_gflops(dt, args.ceiling_n) for dt in ("float32", "bfloat16")}
     cfg = json.loads((args.hf_model / "config.json").read_text())
     floors = {}

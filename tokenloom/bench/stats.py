@@ -128,8 +128,8 @@ def format_table(metrics: BenchMetrics, title: str = "Serving benchmark") -> str
         for stat in ("mean", "median", "p90", "p99"):
             rows.append((f"{stat.capitalize()} {name} (ms)", f"{getattr(s, stat) * 1000:.2f}"))
     width = max(len(k) for k, _ in rows) + 2
-    bar = "=" * (width + 12)
-    lines = [bar, title.center(width + 12), bar]
+    bar = "=" * max(width + 12, len(title))
+    lines = [bar, title.center(len(bar)), bar]
     lines += [f"{k:<{width}}{v:>12}" for k, v in rows]
     lines.append(bar)
     return "\n".join(lines)
