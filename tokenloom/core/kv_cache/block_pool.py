@@ -45,7 +45,7 @@ class BlockPool:
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         """Take ``n`` free blocks (LRU first), evicting their hashes; each gets ref_cnt 1."""
-        blocks = self.free_queue.popleft_n(n)
+        blocks = [self.free_queue.popleft()] if n == 1 else self.free_queue.popleft_n(n)
         cached = self.cached
         for block in blocks:
             block_hash = block.block_hash
@@ -76,10 +76,9 @@ class BlockPool:
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
         """Register a full block under ``block_hash``; False if that prefix is already cached."""
-        if block_hash in self.cached:
+        if self.cached.setdefault(block_hash, block) is not block:
             return False
         block.block_hash = block_hash
-        self.cached[block_hash] = block
         return True
 
     def reset_prefix_cache(self) -> bool:

@@ -31,10 +31,16 @@ class FreeBlockQueue:
 
     def popleft(self) -> KVCacheBlock:
         """Take the least recently freed block."""
-        block = self._head.next_free
+        head = self._head
+        block = head.next_free
         if block is self._tail or block is None:
             raise RuntimeError("free block queue is empty")
-        self.remove(block)
+        nxt = block.next_free
+        assert nxt is not None
+        head.next_free = nxt
+        nxt.prev_free = head
+        block.prev_free = block.next_free = None
+        self._num_free -= 1
         return block
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:

@@ -139,25 +139,67 @@ class KVCacheManager:
         at once, so later lookups can hit them.
         """
         state = self._requests.get(request.request_id)
-        if state is not None and (
+        if state is None or not (
             new_computed_blocks is None or new_computed_blocks is EMPTY_BLOCKS
         ):
-            # Hot path: a running request whose tokens fit its blocks and fill no block.
-            end = request.num_computed_tokens + num_new_tokens
-            if end < state.next_cache_end and end + num_lookahead_tokens <= state.capacity:
-                if num_new_tokens < 0 or num_lookahead_tokens < 0:
-                    raise ValueError("num_new_tokens and num_lookahead_tokens must be >= 0")
-                return EMPTY_BLOCKS
-        return self._allocate(
-            request,
-            state,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-        )
+            return self._allocate_with_prefix(
+                request,
+                state,
+                num_new_tokens,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                num_lookahead_tokens,
+            )
+        # Hot path: a running request whose tokens fit its blocks and fill no block.
+        end = request.num_computed_tokens + num_new_tokens
+        if end < state.next_cache_end and end + num_lookahead_tokens <= state.capacity:
+            if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_new_computed_tokens:
+                self._validate(num_new_tokens, num_new_computed_tokens, 0, num_lookahead_tokens)
+            return EMPTY_BLOCKS
+        if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_new_computed_tokens:
+            self._validate(num_new_tokens, num_new_computed_tokens, 0, num_lookahead_tokens)
+        return self._extend(request, state, end, end + num_lookahead_tokens)
 
-    def _allocate(
+    def _validate(
+        self,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        num_computed_blocks: int,
+        num_lookahead_tokens: int,
+    ) -> None:
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
+        if num_new_computed_tokens != num_computed_blocks * self.block_size:
+            raise ValueError(
+                f"num_new_computed_tokens ({num_new_computed_tokens}) must equal "
+                f"block_size * len(new_computed_blocks) ({num_computed_blocks * self.block_size})"
+            )
+
+    def _extend(
+        self, request: Request, state: _RequestBlocks, end: int, num_slots: int
+    ) -> KVCacheBlocks | None:
+        """Grow a running request to ``num_slots`` slots and cache blocks full at ``end``."""
+        block_size = self.block_size
+        if num_slots > self.max_model_len:
+            num_slots = self.max_model_len
+        num_new_blocks = -(-num_slots // block_size) - len(state.blocks)
+        new = EMPTY_BLOCKS
+        if num_new_blocks > 0:
+            pool = self.block_pool
+            if num_new_blocks > len(pool.free_queue):
+                return None
+            blocks = pool.get_new_blocks(num_new_blocks)
+            state.blocks.extend(blocks)
+            state.capacity = len(state.blocks) * block_size
+            new = KVCacheBlocks(blocks)
+        if end >= state.next_cache_end:
+            num_tokens = request.num_tokens
+            self._cache_full_blocks(request, state, end if end < num_tokens else num_tokens)
+        return new
+
+    def _allocate_with_prefix(
         self,
         request: Request,
         state: _RequestBlocks | None,
@@ -166,39 +208,35 @@ class KVCacheManager:
         new_computed_blocks: KVCacheBlocks | None,
         num_lookahead_tokens: int,
     ) -> KVCacheBlocks | None:
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if num_lookahead_tokens < 0:
-            raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
+        """First allocation of a new or resumed request, possibly on top of a prefix hit."""
         block_size = self.block_size
         computed = new_computed_blocks.blocks if new_computed_blocks is not None else ()
-        if num_new_computed_tokens != len(computed) * block_size:
-            raise ValueError(
-                f"num_new_computed_tokens ({num_new_computed_tokens}) must equal "
-                f"block_size * len(new_computed_blocks) ({len(computed) * block_size})"
-            )
+        self._validate(num_new_tokens, num_new_computed_tokens, len(computed), num_lookahead_tokens)
         num_held = len(state.blocks) if state is not None else 0
-        if computed and num_held * block_size != request.num_computed_tokens:
-            raise ValueError(
-                "new_computed_blocks must directly follow the request's computed tokens"
-            )
-
-        hashes = request.block_hashes
-        for i, block in enumerate(computed, num_held):
-            if block.block_hash is None or i >= len(hashes) or block.block_hash != hashes[i]:
+        if computed:
+            if num_held * block_size != request.num_computed_tokens:
                 raise ValueError(
-                    f"new_computed_blocks of request {request.request_id!r} are not a current "
-                    "prefix hit (call get_computed_blocks right before allocate_slots)"
+                    "new_computed_blocks must directly follow the request's computed tokens"
                 )
+            hashes = request.block_hashes
+            for i, block in enumerate(computed, num_held):
+                if block.block_hash is None or i >= len(hashes) or block.block_hash != hashes[i]:
+                    raise ValueError(
+                        f"new_computed_blocks of request {request.request_id!r} are not a "
+                        "current prefix hit (call get_computed_blocks right before "
+                        "allocate_slots)"
+                    )
 
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        num_required = -(-num_slots // block_size)
-        num_new_blocks = max(num_required - num_held - len(computed), 0)
+        num_new_blocks = max(-(-num_slots // block_size) - num_held - len(computed), 0)
 
         pool = self.block_pool
         # Touching a free cached block takes it out of the free queue too.
-        num_touched_free = sum(1 for block in computed if block.ref_cnt == 0)
+        num_touched_free = 0
+        for block in computed:
+            if block.ref_cnt == 0:
+                num_touched_free += 1
         if num_new_blocks + num_touched_free > len(pool.free_queue):
             return None
 
