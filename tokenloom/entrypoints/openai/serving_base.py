@@ -204,12 +204,17 @@ class OpenAIServing:
             )
 
     def check_capacity(self, num_new: int) -> None:
-        """503 when admitting ``num_new`` more requests would exceed the waiting limit."""
+        """503 when admitting ``num_new`` more requests would exceed the waiting limit.
+
+        The count is kept here (requests without output yet) rather than read
+        from the engine's scheduler stats, which are only refreshed by engine
+        steps and so go stale when the engine falls idle.
+        """
         if getattr(self.engine, "errored", False):
             raise OpenAIError("the engine is dead; restart the server", status=503)
         if self.max_waiting_requests is None:
             return
-        waiting = max(self._num_not_started, self.engine.num_waiting_requests)
+        waiting = self._num_not_started
         if waiting + num_new > self.max_waiting_requests:
             raise OpenAIError(
                 f"server overloaded: {waiting} requests waiting "
