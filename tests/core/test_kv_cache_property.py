@@ -9,7 +9,7 @@ eviction) fails here. ``check_integrity()`` runs after every operation.
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tokenloom.core.kv_cache import KVCacheManager, hashing
@@ -17,7 +17,6 @@ from tokenloom.request import Request
 from tokenloom.sampling_params import SamplingParams
 
 BS = 2
-STATS = {"none": 0, "hit_blocks": 0}
 BASES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9]]
 
 # One op: (kind, index, amount, lookahead, tail tokens, salt); fields a kind does
@@ -41,6 +40,8 @@ class Runner:
         self.kv: dict[int, list[tuple[int, ...] | None]] = {}
         self.live: list[Request] = []
         self.next_id = 0
+        self.num_hit_blocks = 0
+        self.num_refused = 0
 
     def pick(self, index: int) -> Request | None:
         return self.live[index % len(self.live)] if self.live else None
@@ -69,9 +70,9 @@ class Runner:
             slots = min(request.num_computed_tokens + num_hit + num_new + lookahead, 24)
             missing = max(-(-slots // BS) - held - len(hits), 0)
             assert missing + sum(b.ref_cnt == 0 for b in hits) > free_before
-            STATS["none"] += 1
+            self.num_refused += 1
             return
-        STATS["hit_blocks"] += num_hit // BS
+        self.num_hit_blocks += num_hit // BS
         ids = m.get_block_ids(request.request_id)
         start = request.num_computed_tokens + num_hit
         for pos in range(start, start + num_new):
@@ -121,23 +122,48 @@ class Runner:
         m.check_integrity()
 
 
-def _play(num_blocks: int, ops: list[tuple]) -> None:
+def _play(num_blocks: int, ops: list[tuple]) -> Runner:
     runner = Runner(num_blocks)
     for operation in ops:
         runner.apply(operation)
         runner.m.check_integrity()
     runner.finish_all()
+    return runner
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(num_blocks=st.integers(2, 12), ops=st.lists(op, min_size=10, max_size=80))
-def test_random_operations_keep_integrity_and_exact_hits(num_blocks: int, ops: list) -> None:
-    _play(num_blocks, ops)
+def test_fixed_sequence_exercises_hits_evictions_and_refusals() -> None:
+    # (kind, index, amount, lookahead, tail, salt); indices pick from live requests.
+    ops = [
+        ("add", 0, 6, 0, [], None),  # r0 = 1..8
+        ("step", 0, 8, 0, [], None),
+        ("add", 0, 6, 0, [2], None),  # r1 = 1..8, 2: hits r0's 4 blocks
+        ("step", 1, 8, 0, [], None),
+        ("finish", 0, 0, 0, [], None),  # live: r1
+        ("add", 1, 6, 0, [], "s"),  # r2: salted, no hit; fills the pool
+        ("step", 1, 8, 0, [], None),
+        ("add", 0, 2, 0, [0, 1], None),  # r3 = 1..4, 0, 1: hits 2 held blocks
+        ("step", 2, 8, 3, [], None),  # 3 new blocks wanted, none free: refused
+        ("finish", 0, 0, 0, [], None),  # live: r2, r3; r1's blocks become free
+        ("step", 1, 8, 3, [], None),  # r3 hits the 2 now-free blocks again
+    ]
+    runner = _play(10, ops)
+    assert runner.num_hit_blocks == 4 + 2
+    assert runner.num_refused == 1
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(num_blocks=st.integers(2, 12), ops=st.lists(op, min_size=10, max_size=80))
+def test_random_operations_keep_integrity_and_exact_hits(num_blocks: int, ops: list) -> None:
+    runner = _play(num_blocks, ops)
+    event(f"hit blocks > 0: {runner.num_hit_blocks > 0}")
+    event(f"refused allocations > 0: {runner.num_refused > 0}")
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(num_blocks=st.integers(2, 12), ops=st.lists(op, min_size=10, max_size=80))
 def test_random_operations_with_every_digest_colliding(num_blocks: int, ops: list) -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hashing, "digest_block", lambda parent, tokens, extras: 0)
-        _play(num_blocks, ops)
+        runner = _play(num_blocks, ops)
+    event(f"hit blocks > 0: {runner.num_hit_blocks > 0}")
+    event(f"refused allocations > 0: {runner.num_refused > 0}")
