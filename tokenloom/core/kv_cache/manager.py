@@ -4,6 +4,14 @@ The scheduler asks ``get_computed_blocks`` for a prefix hit, then
 ``allocate_slots`` for the tokens it wants to run; ``None`` means "not enough
 free blocks, nothing changed" and the scheduler preempts. Only full blocks are
 cached, keyed by exact chained hashes (:mod:`tokenloom.core.kv_cache.hashing`).
+
+Beyond the contract: ``num_usable_blocks``, ``num_requests``,
+``create_empty_block_list()``, ``check_integrity()`` (for tests and idle checks)
+and ``block_pool`` (read-only inspection).
+
+The scheduler calls ``allocate_slots`` for every running request every step, so
+a call that needs no new block and fills no block does one dict lookup and a
+few comparisons and returns the shared :data:`EMPTY_BLOCKS`.
 """
 
 from __future__ import annotations
