@@ -158,6 +158,8 @@ def test_hit_after_owner_freed_then_miss_after_eviction() -> None:
     schedule(m, a)
     a_ids = m.get_block_ids("a")
     m.free(a)
+    # Cached-but-free blocks count as free: they are evictable.
+    assert m.num_free_blocks == 4 and len(m.block_pool.cached) == 2 and m.usage == 0.0
     b = make_request("b", list(range(9)))
     assert hit_ids(m, b) == a_ids[:2]
     schedule(m, b)
