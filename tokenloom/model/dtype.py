@@ -16,15 +16,20 @@ _NAMED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
 
 
-def cpu_has_native_bf16() -> bool:
-    """True when this CPU has bf16 matmul instructions (AVX512_BF16 or AMX)."""
-    capability = str(torch.backends.cpu.get_cpu_capability()).upper()
-    if "AMX" in capability or "BF16" in capability:
+def cpu_has_native_bf16(cpuinfo: str | None = None, capability: str | None = None) -> bool:
+    """True when this CPU has bf16 matmul instructions (AVX512_BF16 or AMX).
+
+    ``cpuinfo`` / ``capability`` default to /proc/cpuinfo and torch's report.
+    """
+    if capability is None:
+        capability = str(torch.backends.cpu.get_cpu_capability())
+    if "AMX" in capability.upper() or "BF16" in capability.upper():
         return True
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
     for line in cpuinfo.splitlines():
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())

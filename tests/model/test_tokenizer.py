@@ -1,0 +1,60 @@
+"""The default GGUF's tokenizer: built from GGUF metadata, cached on disk, and
+identical to the one transformers builds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from tokenloom.model.arch_config import load_arch_config
+from tokenloom.model.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.e2e
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces and\ttabs\nnewlines",
+    "Ünïcödé — emoji 🙂 and 数字 12345",
+    "<|im_start|>user\nspecial tokens inline<|im_end|>",
+    "def f(x):\n    return x ** 2",
+]
+EXPECTED_CHAT = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    "<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def test_gguf_tokenizer_matches_transformers(
+    default_model_path: Path, default_hf_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    reference = AutoTokenizer.from_pretrained(default_hf_model_dir)
+    monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path))
+    built = load_tokenizer(default_model_path)  # converts, then writes the cache
+    assert list((tmp_path / "tokenizers").iterdir()), "cache entry not written"
+    cached = load_tokenizer(default_model_path)  # read back from the cache
+    arch = load_arch_config(default_model_path)
+
+    for tok in (built, cached):
+        assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == arch.eos_token_ids[0] == 2
+        assert tok.bos_token_id == arch.bos_token_id == 1
+        assert len(tok) == arch.vocab_size
+        for text in TEXTS:
+            ids = tok(text).input_ids
+            assert ids == reference(text).input_ids, text
+            assert tok.decode(ids) == text
+        chat = [{"role": "user", "content": "Hi there"}]
+        rendered = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert rendered == EXPECTED_CHAT
+
+
+def test_hf_directory_tokenizer(default_hf_model_dir: Path) -> None:
+    tok = load_tokenizer(default_hf_model_dir)
+    assert tok("Hello, world!").input_ids == [19556, 28, 905, 17]
+    assert tok.eos_token_id == 2 and tok.chat_template
+
+
+def test_no_tokenizer_for_bad_path(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="weights.bin"):
+        load_tokenizer(tmp_path / "weights.bin")
