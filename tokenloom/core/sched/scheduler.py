@@ -194,21 +194,24 @@ class Scheduler(SchedulerInterface):
             spec = request.spec_token_ids
             num_new = num_tokens - num_computed
             if spec:
+                # Without drafts num_tokens <= max_model_len already bounds num_new.
                 num_new += len(spec)
+                if num_new > max_model_len - num_computed:
+                    num_new = max_model_len - num_computed
             if num_new > chunk_cap:
                 num_new = chunk_cap
             if num_new > token_budget:
                 num_new = token_budget
-            if num_new > max_model_len - num_computed:
-                num_new = max_model_len - num_computed
             if num_new <= 0:
                 index += 1
                 continue
             # Draft tokens get slots as lookahead so the manager never caches
             # blocks holding unverified tokens.
-            num_spec = num_computed + num_new - num_tokens
-            if num_spec < 0:
-                num_spec = 0
+            num_spec = 0
+            if spec:
+                num_spec = num_computed + num_new - num_tokens
+                if num_spec < 0:
+                    num_spec = 0
             new_blocks = allocate(request, num_new - num_spec, 0, None, num_spec)
             while new_blocks is None:
                 victim_index = self._pick_victim()
@@ -408,6 +411,7 @@ class Scheduler(SchedulerInterface):
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
         scheduled = scheduler_output.num_scheduled_tokens
         max_model_len = self.max_model_len
+        running_status = _RUNNING
 
         per_client: dict[int, list[EngineCoreOutput]] = {}
         client = -1
@@ -420,7 +424,7 @@ class Scheduler(SchedulerInterface):
             index += 1
             request = requests.get(req_id)
             # Finished, aborted or preempted since schedule(): nothing to apply.
-            if request is None or request.status != _RUNNING or req_id not in scheduled:
+            if request is None or request.status != running_status or req_id not in scheduled:
                 continue
             if request.spec_token_ids:
                 request.spec_token_ids = []
@@ -434,25 +438,24 @@ class Scheduler(SchedulerInterface):
             if len(sampled) == 1:
                 new_tokens = sampled
                 request.append_output_token_ids(sampled)
-                if _stops(request, sampled[0], max_model_len):
-                    finished.append(request)
+                stopped = _stops(request, sampled[0], max_model_len)
             else:
                 new_tokens = append_until_stop(request, sampled, max_model_len)
-                if request.status != _RUNNING:
-                    finished.append(request)
+                stopped = request.status != running_status
             logprobs = logprobs_all[index] if logprobs_all is not None else None
             if logprobs is not None and len(logprobs) > len(new_tokens):
                 logprobs = logprobs[: len(new_tokens)]
             if request.client_index != client:
                 client = request.client_index
                 client_outputs = per_client.setdefault(client, [])
-            if request.status == _RUNNING:
+            if not stopped:
                 client_outputs.append(
                     EngineCoreOutput(
                         req_id, new_tokens, None, None, request.num_cached_tokens, logprobs
                     )
                 )
             else:
+                finished.append(request)
                 client_outputs.append(
                     EngineCoreOutput(
                         req_id,
