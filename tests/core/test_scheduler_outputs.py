@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.core.utils import (
     FakeRunner,
     Harness,
@@ -330,4 +332,16 @@ def test_reset_prefix_cache_with_running_requests() -> None:
     h.run_until_done()
     assert [len(h.tokens(r)) for r in "ab"] == [5, 5]
     h.scheduler.shutdown()
+    assert_no_leaks(h.scheduler)
+
+
+def test_duplicate_ids_and_non_finished_status_are_rejected() -> None:
+    h = Harness(make_scheduler())
+    h.add(make_request("a", 4, max_tokens=1))
+    with pytest.raises(ValueError, match="request_id"):
+        h.scheduler.add_request(make_request("a", 4))
+    with pytest.raises(ValueError, match="finished_status"):
+        h.scheduler.finish_requests("a", RequestStatus.RUNNING)
+    assert h.scheduler.get_request_counts() == (0, 1)
+    h.run_until_done()
     assert_no_leaks(h.scheduler)

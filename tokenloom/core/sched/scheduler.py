@@ -14,6 +14,23 @@ or (chunked prefill off) a prompt larger than ``max_num_batched_tokens`` is
 finished as ``FINISHED_IGNORED`` instead of waiting forever; the next
 ``update_from_output`` reports it with ``finish_reason=LENGTH`` and no tokens.
 The frontend normally rejects such requests before they get here.
+
+Other choices worth knowing:
+
+* A waiting request that does not fit (chunking off, or no free blocks) stops
+  admission for the step under both policies: nothing behind it overtakes it.
+* ``long_prefill_token_threshold`` caps prefill chunks, so it only applies
+  with chunked prefill on.
+* Draft tokens are scheduled with the request (``num_scheduled_tokens``
+  counts them) and get their KV slots as lookahead, so blocks holding
+  unverified tokens are never cached; rejected drafts are rolled back in
+  ``update_from_output``.
+* ``SchedulerStats`` hold deltas, so each step's stats ride on one
+  ``EngineCoreOutputs`` only (the lowest client index, client 0 when no
+  request produced output), never duplicated across clients.
+* Requests preempted by ``reset_prefix_cache(reset_running_requests=True)``
+  are reported in the next ``preempted_req_ids``; that step admits nothing,
+  so the runner drops them before they are resumed.
 """
 
 from __future__ import annotations
@@ -119,6 +136,8 @@ class Scheduler(SchedulerInterface):
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already scheduled")
         if self._unservable(request):
             self._ignore(request)
             return
@@ -406,6 +425,12 @@ class Scheduler(SchedulerInterface):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
+        """Append each request's sampled tokens, stopping at the first stop condition.
+
+        Requests finished, aborted or preempted since ``schedule()`` are skipped.
+        Finished requests free their blocks at once and leave ``requests``;
+        their ids go out in the next ``SchedulerOutput.finished_req_ids``.
+        """
         requests = self.requests
         logprobs_all = model_runner_output.logprobs
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
