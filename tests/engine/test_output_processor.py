@@ -169,3 +169,16 @@ def test_iteration_stats(tokenizer: Any, inputs: InputProcessor) -> None:
     assert finished.prefill_time == pytest.approx(0.75)
     assert finished.decode_time == pytest.approx(0.5)
     assert (finished.num_prompt_tokens, finished.num_generation_tokens) == (3, 3)
+
+
+async def test_abort_ends_a_waiting_stream(tokenizer: Any, inputs: InputProcessor) -> None:
+    _, reqs = inputs.process("p", [5], SamplingParams(n=2))
+    proc = OutputProcessor(tokenizer)
+    collector = RequestOutputCollector(delta=True)
+    proc.add_request("p", None, reqs, collector)
+    proc.process_outputs([out("0_p", [9], FinishReason.LENGTH)], 1.0)
+    await collector.get()
+    assert proc.abort_requests(["p"]) == ["1_p"]
+    last = await asyncio.wait_for(collector.get(), 1)
+    assert last.finished
+    assert [(c.index, c.finish_reason) for c in last.outputs] == [(1, "abort")]

@@ -253,15 +253,22 @@ class OutputProcessor:
         self._parents[request_id] = parent
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
-        """Forget user requests; return the core request ids to abort."""
+        """End user requests with finish reason "abort"; return the core ids to abort.
+
+        A consumer still waiting on the request's collector gets a last output.
+        """
         core_ids: list[str] = []
         for request_id in request_ids:
             parent = self._parents.pop(request_id, None)
             if parent is None:
                 continue
-            for seq in parent.sequences:
-                if self._sequences.pop(seq.request_id, None) is not None and not seq.finished:
-                    core_ids.append(seq.request_id)
+            aborted = [seq for seq in parent.sequences if not seq.finished]
+            for seq in aborted:
+                del self._sequences[seq.request_id]
+                seq.finish_reason = FinishReason.ABORT
+                core_ids.append(seq.request_id)
+            if parent.collector is not None and aborted:
+                parent.collector.put(parent.make_output(aborted))
         return core_ids
 
     def propagate_error(self, error: BaseException) -> None:
