@@ -11,7 +11,10 @@ recomputed later); no waiting request is admitted in a step that preempted.
 Safety net for requests that can never run: a prompt longer than
 ``max_model_len``, a request needing more blocks than the whole cache holds,
 or (chunked prefill off) a prompt larger than ``max_num_batched_tokens`` is
-finished as ``FINISHED_IGNORED`` instead of waiting forever; the next
+finished as ``FINISHED_IGNORED`` instead of waiting forever, and so is a
+preempted request that has since grown past those limits (it cannot be
+recomputed; set ``max_num_batched_tokens >= max_model_len`` when chunking is
+off to rule this out). The next
 ``update_from_output`` reports it with ``finish_reason=LENGTH`` and no tokens.
 The frontend normally rejects such requests before they get here.
 
