@@ -77,7 +77,7 @@ def _build(spec: tuple, index: int) -> Request:
 
 
 @settings(
-    max_examples=100,
+    max_examples=200,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
