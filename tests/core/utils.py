@@ -95,6 +95,7 @@ class FakeRunner:
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         for req_id, num in so.num_scheduled_tokens.items():
+            assert req_id not in self.finished_seen, f"{req_id} scheduled after it finished"
             state = self.mirror[req_id]
             drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
             start = state.num_computed_tokens
