@@ -190,6 +190,19 @@ async def test_many_concurrent_requests(async_mp: AsyncLLM) -> None:
     await wait_until(lambda: kv_released(async_mp), 30)
 
 
+async def test_idle_engine_process_does_not_spin(async_mp: AsyncLLM) -> None:
+    import psutil
+
+    assert async_mp.engine_core_pid is not None
+    process = psutil.Process(async_mp.engine_core_pid)
+    await asyncio.sleep(0.5)  # let the last step's work settle
+    before = process.cpu_times()
+    await asyncio.sleep(2.0)
+    after = process.cpu_times()
+    used = (after.user - before.user) + (after.system - before.system)
+    assert used < 0.2, f"idle engine core used {used:.2f}s of CPU in 2s"
+
+
 async def test_killed_engine_process_fails_requests_fast(async_mp: AsyncLLM) -> None:
     params = SamplingParams(max_tokens=400, ignore_eos=True)
     stream = async_mp.generate(PROMPT, params, "victim")
