@@ -114,3 +114,21 @@ def test_wrong_logits_are_detected(tmp_path: Path) -> None:
         hf_model.model.layers[0].self_attn.k_proj.weight[0, 0] += 1.0
     seqs, ours = _run_ours(tmp_path)
     assert max_abs_diff(ours, _reference_logits(hf_model, seqs)) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_stays_close(dtype: str, tmp_path: Path) -> None:
+    """Reduced-precision compute runs the same paths and lands near fp32."""
+    hf_model = _random_hf_model(_cases()["qwen2_bias_untied"], seed=5)
+    hf_model.save_pretrained(tmp_path)
+    loaded = load_model(ModelConfig(model=str(tmp_path), dtype=dtype))
+    assert loaded.model.embed_tokens.weight.dtype == getattr(torch, dtype)
+    kv = allocate_kv_caches(loaded.arch, 32, BLOCK_SIZE, loaded.dtype, "cpu")
+    assert kv[0][0].dtype == getattr(torch, dtype)
+    seqs = make_sequences(VOCAB, seed=1)
+    ours = run_scenario(loaded.model, kv, seqs)
+    assert all(logits.dtype == torch.float32 for chunks in ours.values() for _, logits in chunks)
+    reference = _reference_logits(hf_model, seqs)
+    scale = max(ref.abs().max().item() for ref in reference.values())
+    diff = max_abs_diff(ours, reference)
+    assert diff < 0.05 * scale, f"{dtype}: max |logit diff| {diff:.3f} (logit scale {scale:.2f})"
