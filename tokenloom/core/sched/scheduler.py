@@ -47,7 +47,7 @@ from tokenloom.core.kv_cache.manager import KVCacheManager
 from tokenloom.core.sched.interface import SchedulerInterface
 from tokenloom.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenloom.core.sched.request_queue import RequestQueue, create_request_queue
-from tokenloom.core.sched.stop_checker import append_until_stop
+from tokenloom.core.sched.stop_checker import append_until_stop, stops_after
 from tokenloom.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -59,24 +59,6 @@ from tokenloom.request import FinishReason, Request, RequestStatus
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
 _PREEMPTED = RequestStatus.PREEMPTED
-
-
-def _stops(request: Request, token: int, max_model_len: int) -> bool:
-    """``append_until_stop`` for one token already appended (the decode fast path)."""
-    params = request.sampling_params
-    num_out = request.num_output_tokens
-    if num_out >= params.min_tokens:
-        if token == request.eos_token_id and not params.ignore_eos:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if token in request.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = token
-            return True
-    if num_out >= request.max_tokens or request.num_tokens >= max_model_len:
-        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        return True
-    return False
 
 
 class Scheduler(SchedulerInterface):
@@ -466,7 +448,7 @@ class Scheduler(SchedulerInterface):
             if len(sampled) == 1:
                 new_tokens = sampled
                 request.append_output_token_ids(sampled)
-                stopped = _stops(request, sampled[0], max_model_len)
+                stopped = stops_after(request, sampled[0], max_model_len)
             else:
                 new_tokens = append_until_stop(request, sampled, max_model_len)
                 stopped = request.status != running_status

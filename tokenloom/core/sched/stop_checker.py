@@ -47,3 +47,21 @@ def append_until_stop(request: Request, sampled: list[int], max_model_len: int) 
     if status is not None:
         request.status = status
     return sampled
+
+
+def stops_after(request: Request, token: int, max_model_len: int) -> bool:
+    """``append_until_stop`` for one token already appended: the decode fast path."""
+    params = request.sampling_params
+    num_out = request.num_output_tokens
+    if num_out >= params.min_tokens:
+        if token == request.eos_token_id and not params.ignore_eos:
+            request.status = _STOPPED
+            return True
+        if token in request.stop_token_ids:
+            request.status = _STOPPED
+            request.stop_reason = token
+            return True
+    if num_out >= request.max_tokens or request.num_tokens >= max_model_len:
+        request.status = _LENGTH
+        return True
+    return False
