@@ -145,7 +145,9 @@ def run_worker(
     for line in tail:
         if line.startswith(f"[{name.split('-')[0]}") or "rep " in line:
             print("   " + line)
-    if proc.returncode != 0 or not out.exists():
+    if proc.returncode != 0 and out.exists():
+        print(f"   {name}: exited with {proc.returncode}; keeping the runs it finished")
+    elif proc.returncode != 0 or not out.exists():
         print(
             f"   {name}: failed (exit {proc.returncode}) after {time.time() - t0:.0f} s; last lines:"
         )
@@ -200,7 +202,7 @@ def run_engines(
     ncpu = os.cpu_count() or 1
     py = sys.executable
     common = ["--repeats", str(args.repeats), "--idle-wait", str(args.idle_wait)]
-    names = list(workloads)
+    names = [n for n in args.workloads.split(",") if n] if args.workloads else list(workloads)
     env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
     found: dict[tuple[str, str], EngineResult] = {}
     engines = [e for e in args.engines.split(",") if e]
@@ -276,7 +278,7 @@ def run_hf_sweep(
     """One run per batch size, then the best size per workload gets the remaining repeats."""
     py = sys.executable
     sizes = [int(s) for s in args.hf_batch_sizes.split(",")]
-    names = list(workloads)
+    names = [n for n in args.workloads.split(",") if n] if args.workloads else list(workloads)
     sweep: dict[str, dict[int, dict]] = {n: {} for n in names}
     configs: dict[int, dict] = {}
     for bs in sizes:
@@ -492,6 +494,9 @@ def main() -> None:
     ap.add_argument("--engines", default="tokenloom,vllm,hf,llamacpp")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--workloads", default="", help="run only these (comma-separated; default: all)"
+    )
     ap.add_argument("--hf-model", type=Path, default=ROOT / ".bench" / "smollm2-hf")
     ap.add_argument("--hf-batch-sizes", default="16,64,128")
     ap.add_argument("--tokenloom-model", default=None, help="default: the bundled GGUF")
@@ -538,6 +543,9 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.hf_model))
     workloads = build_workloads(tokenizer, args.seed)
+    bad = {n for n in args.workloads.split(",") if n} - set(workloads)
+    if bad:
+        raise SystemExit(f"unknown workload(s) {sorted(bad)}; choose from {list(workloads)}")
     paths = {}
     for name, reqs in workloads.items():
         paths[name] = args.workdir / f"workload-{name}.json"

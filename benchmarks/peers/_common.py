@@ -114,6 +114,9 @@ def run_all(
                 "busy_wait_s": waited,
             }
             runs[name].append(run)
+            # Written after every run, so a worker stopped early still leaves its results.
+            partial = {"engine": engine, "config": config, "load_s": load_s, "runs": runs}
+            Path(args.out).write_text(json.dumps({**partial, "partial": True}))
             print(
                 f"[{engine}] {name} rep {rep + 1}/{args.repeats}: {wall:.2f} s, "
                 f"{sum(counts)} out tokens, other procs {mon.other_cpu_s:.1f} cpu-s",
