@@ -32,15 +32,18 @@ PROMPT = "Write a long story about a dragon."
 
 
 @pytest.fixture(scope="module")
-def async_inproc(llm: Any) -> AsyncLLM:
+def async_inproc(llm: Any) -> Any:
     client = AsyncInprocClient(llm.client)
-    return AsyncLLM(
+    engine = AsyncLLM(
         EngineArgs(**ENGINE_KWARGS),
         client,
         llm.tokenizer,
         llm.client.core.arch.vocab_size,
         llm.input_processor.eos_token_ids,
     )
+    yield engine
+    engine.shutdown()  # waits for a step still running, so the LLM tests find the core idle
+    assert not engine.is_running
 
 
 @pytest.fixture(scope="module")

@@ -226,7 +226,7 @@ class AsyncLLM:
             return
         self._closed = True
         task = self._output_task
-        if task is not None and not task.done():
+        if task is not None and not task.done() and not task.get_loop().is_closed():
             task.cancel()
         self.output_processor.propagate_error(EngineDeadError("the engine was shut down"))
         self.client.shutdown()

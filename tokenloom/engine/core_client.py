@@ -19,7 +19,9 @@ import asyncio
 import multiprocessing
 import shutil
 import tempfile
+import threading
 import time
+from collections import deque
 from multiprocessing.connection import wait as wait_for_connections
 
 import zmq
@@ -67,6 +69,9 @@ class InprocClient:
     def step(self) -> CoreOutputs | None:
         return self.core.step()
 
+    def make_stats_output(self) -> CoreOutputs:
+        return self.core.make_stats_output()
+
     def shutdown(self) -> None:
         self.core.shutdown()
 
@@ -74,8 +79,9 @@ class InprocClient:
 class AsyncInprocClient:
     """An in-process core for an event loop: steps run in a worker thread.
 
-    Adds and aborts are queued and applied between steps, so the scheduler is
-    only ever touched by one thread at a time.
+    Adds and aborts are queued and applied in that thread right before a
+    step, under a lock, so the scheduler is only ever touched by one thread
+    at a time (even by a step still running for an event loop that is gone).
     """
 
     engine_core_pid: int | None = None
@@ -84,7 +90,8 @@ class AsyncInprocClient:
         self._client = client
         self.num_blocks = client.num_blocks
         self.max_model_len = client.max_model_len
-        self._inbox: list[EngineCoreRequest | AbortRequests] = []
+        self._inbox: deque[EngineCoreRequest | AbortRequests] = deque()
+        self._lock = threading.Lock()
         self._wake: asyncio.Event | None = None
         self._wake_loop: asyncio.AbstractEventLoop | None = None
         self._dead: EngineDeadError | None = None
@@ -112,17 +119,20 @@ class AsyncInprocClient:
             self._wake, self._wake_loop = asyncio.Event(), loop
         return self._wake
 
-    def _apply_inbox(self) -> bool:
-        """Apply queued messages; True if anything was aborted."""
-        inbox, self._inbox = self._inbox, []
-        aborted = False
-        for message in inbox:
-            if isinstance(message, AbortRequests):
-                self._client.abort_requests(message.request_ids)
-                aborted = True
-            else:
-                self._client.add_request(message)
-        return aborted
+    def _run_step(self) -> CoreOutputs | None:
+        """Apply queued messages, then step; after aborts alone, report the freed cache."""
+        with self._lock:
+            aborted = False
+            while self._inbox:
+                message = self._inbox.popleft()
+                if isinstance(message, AbortRequests):
+                    self._client.abort_requests(message.request_ids)
+                    aborted = True
+                else:
+                    self._client.add_request(message)
+            if self._client.has_work():
+                return self._client.step()
+            return self._client.make_stats_output() if aborted else None
 
     async def get_output(self) -> CoreOutputs:
         wake = self._event()
@@ -132,24 +142,22 @@ class AsyncInprocClient:
             if self._closed:
                 raise EngineDeadError("the engine was shut down")
             wake.clear()
-            aborted = self._apply_inbox()
-            if self._client.has_work():
-                try:
-                    result = await asyncio.to_thread(self._client.step)
-                except Exception as exc:
-                    self._dead = EngineDeadError(f"engine core failed: {type(exc).__name__}: {exc}")
-                    raise self._dead from exc
-                if result is not None:
-                    return result
-            elif aborted:
-                return self._client.core.make_stats_output()
-            else:
+            if not self._inbox and not self._client.has_work():
                 await wake.wait()
+                continue
+            try:
+                result = await asyncio.to_thread(self._run_step)
+            except Exception as exc:
+                self._dead = EngineDeadError(f"engine core failed: {type(exc).__name__}: {exc}")
+                raise self._dead from exc
+            if result is not None:
+                return result
 
     def shutdown(self) -> None:
-        self._closed = True
+        with self._lock:  # let a running step finish
+            self._closed = True
+            self._client.shutdown()
         self._notify()
-        self._client.shutdown()
 
 
 class MPClient:
@@ -189,7 +197,10 @@ class MPClient:
         self.proc = mp.Process(
             target=run_engine_core,
             args=(model_config, cache_config, scheduler_config, input_address, output_address),
-            kwargs={"handshake": writer},
+            kwargs={
+                "handshake": writer,
+                "die_with_parent": threading.current_thread() is threading.main_thread(),
+            },
             name="tokenloom-engine-core",
             daemon=True,
         )

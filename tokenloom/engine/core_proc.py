@@ -15,6 +15,7 @@ import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -30,6 +31,9 @@ from tokenloom.engine.messages import (
     input_decoder,
 )
 
+if TYPE_CHECKING:
+    from tokenloom.engine.core import EngineCore
+
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 500
@@ -41,7 +45,11 @@ _STALLED_POLL_MS = 5
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to kill us when the parent dies (the liveness checks cover other OSes)."""
+    """Ask Linux to kill us when the parent dies (the liveness checks cover other cases).
+
+    Linux sends the signal when the *thread* that started us exits, so this is
+    only asked for when the main thread started the process.
+    """
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -61,9 +69,11 @@ def run_engine_core(
     input_address: str,
     output_address: str,
     handshake: Connection,
+    die_with_parent: bool = True,
 ) -> None:
     """Process entry point: build the core, hand-shake, then serve until told to stop."""
-    _die_with_parent()
+    if die_with_parent:
+        _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's business
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     try:
@@ -97,7 +107,7 @@ def run_engine_core(
         context.term()
 
 
-def _serve(core, input_socket: zmq.Socket, output_socket: zmq.Socket) -> None:  # type: ignore[no-untyped-def]
+def _serve(core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket) -> None:
     parent = multiprocessing.parent_process()
     poller = zmq.Poller()
     poller.register(input_socket, zmq.POLLIN)
