@@ -20,7 +20,9 @@ reads context through the block tables: a request in this batch may hit
 (prefix-cache) blocks another request writes in this same step. Decodes
 (query_len 1) are batched: their blocks are gathered into one padded
 ``[B, L, Hkv, D]`` tensor and attended with one masked SDPA call, the query
-heads of a KV group acting as that group's query rows. Prefill chunks go one
+heads of a KV group acting as that group's query rows. Decodes whose context
+lengths differ by more than 2x are split into length buckets (one call each) so
+that padding never more than doubles the gathered bytes. Prefill chunks go one
 SDPA call each, causal with the chunk offset by its cached context; a chunk with
 no cached context attends to its own fresh K/V without touching the cache.
 """
@@ -49,6 +51,18 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes of similar context length, attended with one padded SDPA call."""
+
+    # Their tokens in the flat batch: a (start, stop) slice when contiguous,
+    # else an int64 index tensor.
+    token_slice: tuple[int, int] | None
+    token_idx: torch.Tensor | None
+    block_ids: torch.Tensor  # int64 [b, num_blocks]
+    mask: torch.Tensor  # bool [b, 1, 1, num_blocks * block_size]
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step description of the flat batch, shared by all layers."""
 
@@ -56,12 +70,7 @@ class AttentionMetadata:
     block_size: int
     slot_mapping: torch.Tensor  # int64 [T]
     num_decodes: int
-    # Decode tokens' positions in the flat batch: a (start, stop) slice when they
-    # are contiguous, else an int64 index tensor.
-    decode_slice: tuple[int, int] | None
-    decode_token_idx: torch.Tensor | None
-    decode_block_ids: torch.Tensor | None  # int64 [B, num_blocks]
-    decode_mask: torch.Tensor | None  # bool [B, 1, 1, num_blocks * block_size]
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
     @classmethod
@@ -117,34 +126,66 @@ class AttentionMetadata:
                 prefills.append(PrefillChunk(start, start + q, ctx, s, block_ids, mask))
             start += q
 
-        num_decodes = len(dec_rows)
-        decode_slice = decode_token_idx = decode_block_ids = decode_mask = None
-        if num_decodes:
-            first = dec_tokens[0]
-            if dec_tokens == list(range(first, first + num_decodes)):
-                decode_slice = (first, first + num_decodes)
-            else:
-                decode_token_idx = torch.tensor(dec_tokens, dtype=torch.long, device=device)
-            n_blocks = -(-max(dec_seq_lens) // block_size)
-            if dec_rows == list(range(num_decodes)):
-                rows = block_table[:num_decodes, :n_blocks]
-            else:
-                rows = block_table[torch.tensor(dec_rows, device=device), :n_blocks]
-            decode_block_ids = rows.to(torch.long)
-            lens = torch.tensor(dec_seq_lens, device=device)
-            key_pos = torch.arange(n_blocks * block_size, device=device)
-            decode_mask = (key_pos[None, :] < lens[:, None]).view(num_decodes, 1, 1, -1)
+        groups = [
+            _decode_group(members, dec_rows, dec_tokens, dec_seq_lens, block_table, block_size)
+            for members in _bucket_by_length(dec_rows, dec_seq_lens, block_size)
+        ]
         return cls(
             num_tokens=num_tokens,
             block_size=block_size,
             slot_mapping=slot_mapping.to(device=device, dtype=torch.long),
-            num_decodes=num_decodes,
-            decode_slice=decode_slice,
-            decode_token_idx=decode_token_idx,
-            decode_block_ids=decode_block_ids,
-            decode_mask=decode_mask,
+            num_decodes=len(dec_rows),
+            decode_groups=groups,
             prefills=prefills,
         )
+
+
+def _bucket_by_length(rows: list[int], seq_lens: list[int], block_size: int) -> list[list[int]]:
+    """Split decodes (positions into ``rows``) so that padding to a group's longest
+    context at most doubles the blocks gathered; one group, in batch order, when
+    the lengths are already within a factor of two."""
+    if not rows:
+        return []
+    blocks = [-(-s // block_size) for s in seq_lens]
+    if max(blocks) <= 2 * min(blocks):
+        return [list(range(len(rows)))]
+    order = sorted(range(len(rows)), key=lambda j: -blocks[j])
+    groups: list[list[int]] = [[order[0]]]
+    group_max = blocks[order[0]]
+    for j in order[1:]:
+        if 2 * blocks[j] < group_max:
+            groups.append([])
+            group_max = blocks[j]
+        groups[-1].append(j)
+    return [sorted(g) for g in groups]
+
+
+def _decode_group(
+    members: list[int],
+    dec_rows: list[int],
+    dec_tokens: list[int],
+    dec_seq_lens: list[int],
+    block_table: torch.Tensor,
+    block_size: int,
+) -> DecodeGroup:
+    device = block_table.device
+    rows = [dec_rows[j] for j in members]
+    tokens = [dec_tokens[j] for j in members]
+    lens = [dec_seq_lens[j] for j in members]
+    count = len(members)
+    token_slice = token_idx = None
+    if tokens == list(range(tokens[0], tokens[0] + count)):
+        token_slice = (tokens[0], tokens[0] + count)
+    else:
+        token_idx = torch.tensor(tokens, dtype=torch.long, device=device)
+    n_blocks = -(-max(lens) // block_size)
+    if rows == list(range(rows[0], rows[0] + count)):
+        table = block_table[rows[0] : rows[0] + count, :n_blocks]
+    else:
+        table = block_table[torch.tensor(rows, device=device), :n_blocks]
+    key_pos = torch.arange(n_blocks * block_size, device=device)
+    mask = key_pos[None, :] < torch.tensor(lens, device=device)[:, None]
+    return DecodeGroup(token_slice, token_idx, table.to(torch.long), mask.view(count, 1, 1, -1))
 
 
 def write_kv(
@@ -161,19 +202,18 @@ def write_kv(
 
 
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup
 ) -> torch.Tensor:
-    """q: [B, H, D] -> [B, H, D], one masked SDPA over gathered blocks."""
-    assert meta.decode_block_ids is not None and meta.decode_mask is not None
+    """q: [b, H, D] -> [b, H, D], one masked SDPA over the group's gathered blocks."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    flat_ids = meta.decode_block_ids.view(-1)
-    # [B, L, Hkv, D] -> [B, Hkv, L, D]
+    flat_ids = group.block_ids.view(-1)
+    # [b, L, Hkv, D] -> [b, Hkv, L, D]
     k = k_cache.index_select(0, flat_ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache.index_select(0, flat_ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     # The query heads sharing a KV head become that head's query rows.
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask)
     return out.reshape(batch, num_heads, head_dim)
 
 
@@ -220,18 +260,19 @@ def paged_attention(
     """Attention of the flat batch. q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
-    if meta.num_decodes == num_tokens:
-        return _decode_attention(q, k_cache, v_cache, meta).reshape(num_tokens, -1)
+    groups = meta.decode_groups
+    if meta.num_decodes == num_tokens and len(groups) == 1:
+        return _decode_attention(q, k_cache, v_cache, groups[0]).reshape(num_tokens, -1)
 
     out = torch.empty_like(q)
-    if meta.num_decodes:
-        if meta.decode_slice is not None:
-            a, b = meta.decode_slice
-            out[a:b] = _decode_attention(q[a:b], k_cache, v_cache, meta)
+    for group in groups:
+        if group.token_slice is not None:
+            a, b = group.token_slice
+            out[a:b] = _decode_attention(q[a:b], k_cache, v_cache, group)
         else:
-            assert meta.decode_token_idx is not None
-            dq = q.index_select(0, meta.decode_token_idx)
-            out.index_copy_(0, meta.decode_token_idx, _decode_attention(dq, k_cache, v_cache, meta))
+            assert group.token_idx is not None
+            dq = q.index_select(0, group.token_idx)
+            out.index_copy_(0, group.token_idx, _decode_attention(dq, k_cache, v_cache, group))
     for chunk in meta.prefills:
         s, e = chunk.start, chunk.end
         out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk)
