@@ -118,9 +118,11 @@ def test_detects_wrong_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     """The reference comparison fails when the cache holds the wrong context."""
     import tests.model.test_attention as this_module
 
+    original = paged_attention
+
     def broken(q, k, v, k_cache, v_cache, meta):
         k_cache.add_(1.0)  # corrupt the prior context before attending
-        return paged_attention(q, k, v, k_cache, v_cache, meta)
+        return original(q, k, v, k_cache, v_cache, meta)
 
     monkeypatch.setattr(this_module, "paged_attention", broken)
     requests = [{"seq_len": 9, "query_len": 1}, {"seq_len": 9, "query_len": 1}]
