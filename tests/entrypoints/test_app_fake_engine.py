@@ -234,3 +234,51 @@ def test_default_served_model_name() -> None:
         "SmolLM2-135M-Instruct.Q4_1"
     )
     assert default_served_model_name("/models/Qwen2-0.5B/") == "Qwen2-0.5B"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_client_disconnect_closes_the_engine_request(stream: bool) -> None:
+    """A client leaving mid-generation must stop the engine request (no finished output)."""
+    engine = FakeAsyncLLM(step_delay=0.02)
+    app = build_app(engine)
+    body = json.dumps({"prompt": "x", "max_tokens": 50, "stream": stream}).encode()
+    body_sent = False
+    disconnect = asyncio.Event()
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    task = asyncio.create_task(app(scope, receive, send))
+    for _ in range(200):
+        if engine.started:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)  # a few steps in
+    disconnect.set()
+    await asyncio.wait_for(task, 5)
+    assert engine.started and engine.closed == engine.started
+    assert engine.finished == []
+    assert engine.num_running_requests == 0
