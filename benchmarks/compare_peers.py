@@ -361,7 +361,7 @@ def write_report(
             if w != wname:
                 continue
             out_tps, tot_tps = n_out / res.wall, (n_in + n_out) / res.wall
-            ratio = f"{res.wall and base.wall / res.wall:.2f}x" if base else "n/a"
+            ratio = f"{base.wall / res.wall:.2f}x" if base else "n/a"
             hit = f"{res.cached_tokens / n_in:.0%}" if eng in ("tokenloom", "vllm") else "-"
             lengths = "ok" if res.lengths_ok else f"MISMATCH ({res.output_tokens}/{n_out})"
             extra = ""
@@ -413,6 +413,7 @@ Produced by `benchmarks/compare_peers.py` on {time.strftime("%Y-%m-%d %H:%M UTC"
 {command}
 ```
 {reused_text}
+{("Note: " + args.note + chr(10)) if args.note else ""}
 
 Machine: {machine_info()}.
 Matmul ceilings (torch, {args.ceiling_n}x{args.ceiling_n}, 2 threads): fp32 {ceilings["float32"]:.0f} GFLOP/s, bf16 {ceilings["bfloat16"]:.0f} GFLOP/s.
@@ -515,6 +516,7 @@ def main() -> None:
     )
     ap.add_argument("--timeout", type=float, default=3600.0, help="per worker process")
     ap.add_argument("--ceiling-n", type=int, default=1024)
+    ap.add_argument("--note", default="", help="a paragraph for the report (conditions, caveats)")
     ap.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "work")
     ap.add_argument("--out-md", type=Path, default=ROOT / "docs" / "peers.md")
     ap.add_argument("--out-png", type=Path, default=ROOT / "docs" / "peers.png")

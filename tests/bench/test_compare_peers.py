@@ -54,3 +54,39 @@ def test_collect_verifies_lengths_and_medians():
     assert res.wall == 2.0
     assert not res.lengths_ok  # the third run returned a short request
     assert res.other_cpu_frac == pytest.approx(0.5)  # 1 cpu-s over 1 s on 2 cores
+
+
+def test_write_report_table_and_chart(tmp_path):
+    import argparse
+
+    workloads = {
+        "main": [BenchRequest([1] * 10, 5), BenchRequest([2] * 20, 5)],
+        "shared-prefix": [BenchRequest([3] * 8, 4)],
+    }
+    res = {
+        ("tokenloom", "main"): cp.EngineResult("tokenloom", "main", walls=[2.0, 1.0, 3.0]),
+        ("vllm", "main"): cp.EngineResult("vllm", "main", walls=[1.0], other_cpu_frac=0.5),
+        ("tokenloom", "shared-prefix"): cp.EngineResult(
+            "tokenloom", "shared-prefix", walls=[1.0], cached_tokens=4
+        ),
+    }
+    args = argparse.Namespace(
+        out_md=tmp_path / "peers.md",
+        out_png=tmp_path / "peers.png",
+        ceiling_n=64,
+        seed=0,
+        hf_batch_sizes="8",
+        idle_wait=1.0,
+        note="noisy",
+    )
+    floors = {"main": (1.0, 1.0), "shared-prefix": (2.0, 1.5)}
+    cp.write_report(args, res, workloads, {"float32": 10.0, "bfloat16": 5.0}, floors, "cmd x")
+    text = (tmp_path / "peers.md").read_text()
+    # main: 10 output tokens, 40 total, median wall 2.0 s -> 5.0 and 20.0 tok/s
+    assert "| tokenloom | main | 5.0 | 20.0 | 2.00 | 1.00x | 0% | ok | 3 | 0% |" in text
+    # vllm: wall 1.0 -> ratio 2.00x, busy warning
+    assert "| vllm | main | 10.0 | 40.0 | 1.00 | 2.00x |" in text
+    assert "vllm / main: other processes used up to 50%" in text
+    assert "| tokenloom | shared-prefix | 4.0 | 12.0 | 1.00 | 1.00x | 50% |" in text
+    assert "cmd x" in text and "Note: noisy" in text
+    assert (tmp_path / "peers.png").read_bytes()[:4] == b"\x89PNG"
