@@ -26,24 +26,12 @@ def default_model_path() -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def default_hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model as a Hugging Face directory (config.json, fp32 safetensors,
-    tokenizer files), converted by transformers' own GGUF loader.
-
-    It is the independent reference for tokenloom's GGUF path, and a way to run
-    tokenloom's HF-directory path on the real model. transformers refuses
-    save_pretrained on a GGUF-loaded model, so the weights move into a plain
-    LlamaForCausalLM first.
-    """
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def _write_default_hf_model(out: Path) -> None:
+    """Convert the default GGUF with transformers' own loader and save it as HF files."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     gguf = default_gguf_path()
-    out = tmp_path_factory.mktemp("default_hf_model")
     source = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
@@ -57,5 +45,46 @@ def default_hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     plain.save_pretrained(out, safe_serialization=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.save_pretrained(out)
-    del source, plain
+
+
+@pytest.fixture(scope="session")
+def default_hf_model_dir(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The default model as a Hugging Face directory (config.json, fp32 safetensors,
+    tokenizer files), converted by transformers' own GGUF loader.
+
+    It is the independent reference for tokenloom's GGUF path, and a way to run
+    tokenloom's HF-directory path on the real model. transformers refuses
+    save_pretrained on a GGUF-loaded model, so the weights move into a plain
+    LlamaForCausalLM first. The conversion takes a minute on two cores, so the
+    result is kept in pytest's cache directory, keyed by the GGUF file and the
+    transformers version, and published atomically (parallel sessions are safe).
+    """
+    import hashlib
+    import os
+    import shutil
+    import tempfile
+
+    import transformers
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cache = getattr(request.config, "cache", None)
+    if cache is None:  # -p no:cacheprovider
+        out = tmp_path_factory.mktemp("default_hf_model")
+        _write_default_hf_model(out)
+        return out
+    gguf = default_gguf_path()
+    stat = gguf.stat()
+    key = f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    root = Path(cache.mkdir("tokenloom_default_hf_model"))
+    out = root / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if (out / "config.json").is_file():
+        return out
+    staging = Path(tempfile.mkdtemp(dir=root))
+    _write_default_hf_model(staging)
+    try:
+        staging.rename(out)
+    except OSError:  # another session published it first
+        shutil.rmtree(staging, ignore_errors=True)
     return out
