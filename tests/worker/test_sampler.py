@@ -280,3 +280,32 @@ def test_greedy_and_random_rows_mixed() -> None:
     toks = out.sampled_token_ids
     assert torch.all(toks[0::2] == 5)
     assert len(set(toks[1::2].tolist())) > 3
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_candidate_and_full_sort_paths_agree(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a large vocabulary, rows take the fast candidate path or the exact
+    full-sort path; every row must pick what a full sort would pick."""
+    from tokenloom.worker import top_k_top_p as tkp
+
+    vocab = 3000
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, vocab, generator=gen) * 3
+    logits[1] = torch.randn(vocab, generator=gen) * 0.01  # flat: nucleus of ~2700 tokens
+    top_k = torch.tensor([5, vocab, 2000, vocab, 40, vocab])
+    top_p = torch.tensor([1.0, 0.9, 0.8, 0.5, 0.3, 0.2])
+    full_sort_rows: list[int] = []
+    original = tkp.apply_top_k_top_p
+
+    def spy(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        full_sort_rows.append(x.shape[0])
+        return original(x, k, p)
+
+    monkeypatch.setattr(tkp, "apply_top_k_top_p", spy)
+    for _ in range(20):
+        log_noise = torch.empty_like(logits).exponential_(generator=gen).log_()
+        got = tkp.sample_top_k_top_p(logits.clone(), log_noise, top_k, top_p)
+        want = (original(logits.clone(), top_k, top_p) - log_noise).argmax(dim=-1)
+        assert got.tolist() == want.tolist()
+    # Rows 1 (wide nucleus) and 2 (k above the candidate limit) needed the full sort.
+    assert full_sort_rows == [2] * 20

@@ -23,6 +23,7 @@ import torch
 
 from tokenloom.outputs import TokenLogprobs
 from tokenloom.worker.sampling_metadata import SamplingMetadata
+from tokenloom.worker.top_k_top_p import sample_top_k_top_p
 
 _NEG_INF = float("-inf")
 
@@ -67,9 +68,11 @@ class Sampler:
         logits.div_(temperature.unsqueeze(1))
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
+        log_noise = draw_log_noise(logits, metadata.generators, self.generator)
         if metadata.top_k is not None or metadata.top_p is not None:
-            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        sampled = exponential_race(logits, metadata.generators, self.generator)
+            sampled = sample_top_k_top_p(logits, log_noise, metadata.top_k, metadata.top_p)
+        else:
+            sampled = (logits - log_noise).argmax(dim=-1)
         if greedy is not None:
             sampled = torch.where(metadata.temperature == 0.0, greedy, sampled)
         return sampled
@@ -113,48 +116,13 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(logits < threshold, _NEG_INF)
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """Keep each row's k best tokens, then the smallest set reaching mass p.
-
-    ``top_k`` values >= vocab and ``top_p`` values of 1 leave a row untouched.
-    Ties at the k-th logit are all kept.
-    """
-    vocab = logits.shape[-1]
-    if top_p is None:
-        assert top_k is not None
-        # Only top-k: a partial topk is much cheaper than a full sort.
-        k = top_k.clamp(max=vocab)
-        k_max = int(k.max())
-        if k_max >= vocab:
-            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
-        else:
-            top = logits.topk(k_max, dim=-1).values
-            kth = top.gather(1, (k - 1).unsqueeze(1))
-        kth = kth.masked_fill_((k >= vocab).unsqueeze(1), _NEG_INF)
-        return logits.masked_fill_(logits < kth, _NEG_INF)
-
-    ascending, order = logits.sort(dim=-1)
-    if top_k is not None:
-        k = top_k.clamp(max=vocab)
-        kth = ascending.gather(1, (vocab - k).unsqueeze(1))
-        ascending.masked_fill_(ascending < kth, _NEG_INF)
-    # Token j (ascending) goes when it and everything below it hold <= 1 - p,
-    # i.e. the tokens above it already reach p. The top token always stays.
-    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-    drop = cumulative <= (1.0 - top_p).unsqueeze(1)
-    drop[:, -1] = False
-    ascending.masked_fill_(drop, _NEG_INF)
-    return logits.scatter_(1, order, ascending)
-
-
-def exponential_race(
+def draw_log_noise(
     logits: torch.Tensor,
     generators: dict[int, torch.Generator],
     default_generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """Sample each row from softmax(logits) as argmax(logits - log E), E ~ Exp(1)."""
+    """log E with E ~ Exp(1) per logit; seeded rows draw a full row from their own
+    generator, so their stream does not depend on the rest of the batch."""
     noise = torch.empty_like(logits)
     if len(generators) < logits.shape[0]:
         noise.exponential_(generator=default_generator)
@@ -162,7 +130,7 @@ def exponential_race(
         noise[row].exponential_(generator=generator)
     # A draw of exactly 0 would give +inf, and nan on a masked (-inf) token.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return (logits - noise.log_()).argmax(dim=-1)
+    return noise.log_()
 
 
 @dataclass
