@@ -225,9 +225,6 @@ class OutputProcessor:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._parents or request_id in self._sequences
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self._parents)
-
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
 
