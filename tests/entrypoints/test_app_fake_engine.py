@@ -282,3 +282,21 @@ async def test_client_disconnect_closes_the_engine_request(stream: bool) -> None
     assert engine.started and engine.closed == engine.started
     assert engine.finished == []
     assert engine.num_running_requests == 0
+
+
+async def test_streamed_batch_interleaves_prompts(client: httpx.AsyncClient) -> None:
+    r = await client.post(
+        "/v1/completions",
+        json={"prompt": ["x", "yy"], "max_tokens": 3, "n": 2, "stream": True, "echo": True},
+    )
+    chunks = events(r.text)
+    assert chunks[-1] == "[DONE]"
+    texts: dict[int, str] = {}
+    finished: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        [choice] = chunk["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        if choice["finish_reason"]:
+            finished[choice["index"]] = choice["finish_reason"]
+    assert texts == {0: "xabc", 1: "xbcd", 2: "yyabc", 3: "yybcd"}
+    assert finished == {i: "length" for i in range(4)}
