@@ -111,6 +111,8 @@ def _from_hf_dir(path: Path) -> ModelArchConfig:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"unsupported hidden_act {act!r} in {config_file}; supported: silu")
+    if cfg.get("mlp_bias", False):
+        raise ValueError(f"unsupported mlp_bias=true in {config_file}")
 
     rope_params = cfg.get("rope_parameters")
     if rope_params is not None:
@@ -150,7 +152,7 @@ def _from_hf_dir(path: Path) -> ModelArchConfig:
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-        bos_token_id=cfg.get("bos_token_id"),
+        bos_token_id=next(iter(_id_list(cfg.get("bos_token_id"))), None),
         eos_token_ids=eos,
         sliding_window=int(window) if window is not None else None,
     )
