@@ -285,7 +285,7 @@ def test_greedy_and_random_rows_mixed() -> None:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_candidate_and_full_sort_paths_agree(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """With a large vocabulary, rows take the fast candidate path or the exact
-    full-sort path; every row must pick what a full sort would pick."""
+    full-sort path; every row must pick what a full sort would pick for the same u."""
     from tokenloom.worker import top_k_top_p as tkp
 
     vocab = 3000
@@ -295,17 +295,38 @@ def test_candidate_and_full_sort_paths_agree(seed: int, monkeypatch: pytest.Monk
     top_k = torch.tensor([5, vocab, 2000, vocab, 40, vocab])
     top_p = torch.tensor([1.0, 0.9, 0.8, 0.5, 0.3, 0.2])
     full_sort_rows: list[int] = []
-    original = tkp.apply_top_k_top_p
+    original = tkp._sample_sorted
 
-    def spy(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    def spy(x: torch.Tensor, u: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         full_sort_rows.append(x.shape[0])
-        return original(x, k, p)
+        return original(x, u, k, p)
 
-    monkeypatch.setattr(tkp, "apply_top_k_top_p", spy)
-    for _ in range(20):
-        log_noise = torch.empty_like(logits).exponential_(generator=gen).log_()
-        got = tkp.sample_top_k_top_p(logits.clone(), log_noise, top_k, top_p)
-        want = (original(logits.clone(), top_k, top_p) - log_noise).argmax(dim=-1)
+    monkeypatch.setattr(tkp, "_sample_sorted", spy)
+    values, order = logits.sort(dim=-1, descending=True)
+    weights = tkp.kept_weights(values, top_k, top_p).double()
+    cdf = weights.cumsum(-1) / weights.sum(-1, keepdim=True)
+    for _ in range(50):
+        u = torch.rand(6, dtype=torch.float64, generator=gen)
+        got = tkp.sample_top_k_top_p(logits.clone(), u, top_k, top_p)
+        index = (cdf <= u[:, None]).sum(-1)
+        want = order.gather(1, index[:, None]).squeeze(1)
         assert got.tolist() == want.tolist()
-    # Rows 1 (wide nucleus) and 2 (k above the candidate limit) needed the full sort.
-    assert full_sort_rows == [2] * 20
+    # Row 1's wide nucleus needs the second candidate tier; row 2 (k above the
+    # candidate limit) needs the full sort.
+    assert full_sort_rows == [1] * 50
+
+
+def test_inverse_cdf_two_stage_matches_reference() -> None:
+    from tokenloom.worker.top_k_top_p import inverse_cdf
+
+    gen = torch.Generator().manual_seed(5)
+    weights = torch.rand(4, 5000, generator=gen) ** 4
+    weights[1, :4000] = 0.0  # mass only at the end, across a partial tail block
+    weights[2, 1234] = 1e4  # one dominant token
+    cdf = weights.double().cumsum(-1)
+    for _ in range(200):
+        u = torch.rand(4, dtype=torch.float64, generator=gen)
+        got = inverse_cdf(weights, u)
+        want = (cdf <= (u * cdf[:, -1])[:, None]).sum(-1)
+        assert torch.all(weights.gather(1, got[:, None]) > 0)
+        assert torch.all((got - want).abs() <= 1), (got, want)

@@ -5,10 +5,9 @@ penalties, then greedy argmax for temperature-0 rows, or temperature, min-p,
 top-k, top-p and a random draw for the others. The expensive steps (penalties,
 sorting, logprobs) run only when some row needs them.
 
-Random rows use the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d.
-picks token i with probability p_i. Done in log space as argmax(logit - log E),
-so no softmax is needed. A seeded row draws its E from its own generator, so
-its tokens do not depend on what else is in the batch.
+Random rows invert their CDF at one uniform draw per row (see top_k_top_p.py).
+A seeded row draws it from its own generator, so its tokens do not depend on
+what else is in the batch.
 
 Logprobs are computed from the raw model logits (log_softmax before penalties,
 temperature and truncation): they describe the model's distribution, as
@@ -23,7 +22,7 @@ import torch
 
 from tokenloom.outputs import TokenLogprobs
 from tokenloom.worker.sampling_metadata import SamplingMetadata
-from tokenloom.worker.top_k_top_p import sample_top_k_top_p
+from tokenloom.worker.top_k_top_p import sample_full, sample_top_k_top_p
 
 _NEG_INF = float("-inf")
 
@@ -68,11 +67,11 @@ class Sampler:
         logits.div_(temperature.unsqueeze(1))
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
-        log_noise = draw_log_noise(logits, metadata.generators, self.generator)
+        u = draw_uniform(logits.shape[0], metadata.generators, self.generator, logits.device)
         if metadata.top_k is not None or metadata.top_p is not None:
-            sampled = sample_top_k_top_p(logits, log_noise, metadata.top_k, metadata.top_p)
+            sampled = sample_top_k_top_p(logits, u, metadata.top_k, metadata.top_p)
         else:
-            sampled = (logits - log_noise).argmax(dim=-1)
+            sampled = sample_full(logits, u)
         if greedy is not None:
             sampled = torch.where(metadata.temperature == 0.0, greedy, sampled)
         return sampled
@@ -116,21 +115,17 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(logits < threshold, _NEG_INF)
 
 
-def draw_log_noise(
-    logits: torch.Tensor,
+def draw_uniform(
+    num_rows: int,
     generators: dict[int, torch.Generator],
     default_generator: torch.Generator | None,
+    device: torch.device,
 ) -> torch.Tensor:
-    """log E with E ~ Exp(1) per logit; seeded rows draw a full row from their own
-    generator, so their stream does not depend on the rest of the batch."""
-    noise = torch.empty_like(logits)
-    if len(generators) < logits.shape[0]:
-        noise.exponential_(generator=default_generator)
+    """One float64 uniform per row; seeded rows draw from their own generator."""
+    u = torch.rand(num_rows, dtype=torch.float64, device=device, generator=default_generator)
     for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    # A draw of exactly 0 would give +inf, and nan on a masked (-inf) token.
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return noise.log_()
+        u[row] = torch.rand((), dtype=torch.float64, device=device, generator=generator)
+    return u
 
 
 @dataclass
