@@ -53,6 +53,7 @@ class FakeAsyncLLM:
         self.closed: list[str] = []
         self.finished: list[str] = []
         self.params: list[SamplingParams] = []
+        self.prompts: list[list[int]] = []
 
     async def check_health(self) -> None:
         if self.errored:
@@ -75,6 +76,7 @@ class FakeAsyncLLM:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens, longer than {self.max_model_len}")
         self.started.append(request_id)
+        self.prompts.append(ids)
         self.params.append(sampling_params)
         self.num_running_requests += 1
         max_tokens = sampling_params.max_tokens or 8

@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -224,41 +224,58 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 async def _chat_loop(engine_args: Any, params: SamplingParams, system: str | None) -> None:
     from tokenloom.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(engine_args)
+    print("tokenloom chat: /exit or Ctrl-D to quit", file=sys.stderr)
+    try:
+        await chat_session(engine, params, system, lambda: asyncio.to_thread(input, "> "))
+    finally:
+        engine.shutdown()
+
+
+async def chat_session(
+    engine: Any,
+    params: SamplingParams,
+    system: str | None,
+    read_line: Callable[[], Awaitable[str]],
+    out: TextIO | None = None,
+) -> list[dict[str, str]]:
+    """Read user turns until /exit or EOF, streaming each reply; returns the conversation.
+
+    Only the first of ``n`` completions is shown and kept in the history. A turn
+    the engine refuses (say, a conversation grown past the context) is dropped
+    with a message, and the session goes on.
+    """
     from tokenloom.entrypoints.openai.errors import OpenAIError
     from tokenloom.entrypoints.openai.serving_chat import render_chat_prompt
 
-    engine = AsyncLLM.from_engine_args(engine_args)
+    out = out or sys.stdout
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-    print("tokenloom chat: /exit or Ctrl-D to quit", file=sys.stderr)
-    try:
-        while True:
-            try:
-                line = await asyncio.to_thread(input, "> ")
-            except EOFError:
-                print()
-                break
-            if line.strip() in ("/exit", "/quit"):
-                break
-            if not line.strip():
-                continue
-            history.append({"role": "user", "content": line})
-            try:
-                prompt = render_chat_prompt(engine.tokenizer, history)
-                reply = []
-                # Only the first of n completions is shown and kept in the history.
-                stream = engine.generate(prompt, params, f"chat-{uuid.uuid4().hex}", delta=True)
-                async for output in stream:
-                    piece = "".join(o.text for o in output.outputs if o.index == 0)
-                    print(piece, end="", flush=True)
-                    reply.append(piece)
-                print()
-            except (ValueError, OpenAIError) as exc:
-                history.pop()
-                print(f"error: {exc}", file=sys.stderr)
-                continue
-            history.append({"role": "assistant", "content": "".join(reply)})
-    finally:
-        engine.shutdown()
+    while True:
+        try:
+            line = await read_line()
+        except EOFError:
+            print(file=out)
+            return history
+        if line.strip() in ("/exit", "/quit"):
+            return history
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        reply: list[str] = []
+        try:
+            prompt = render_chat_prompt(engine.tokenizer, history)
+            request_id = f"chat-{uuid.uuid4().hex}"
+            async for output in engine.generate(prompt, params, request_id, delta=True):
+                piece = "".join(o.text for o in output.outputs if o.index == 0)
+                print(piece, end="", flush=True, file=out)
+                reply.append(piece)
+            print(file=out)
+        except (ValueError, OpenAIError) as exc:
+            history.pop()
+            print(f"error: {exc}", file=sys.stderr)
+            continue
+        history.append({"role": "assistant", "content": "".join(reply)})
 
 
 # ----------------------------------------------------------------- main

@@ -1,7 +1,9 @@
-"""``tokenloom generate`` as a user runs it: a subprocess on the default model."""
+"""The ``tokenloom`` CLI: flag parsing, the chat loop on a fake engine, and
+``tokenloom generate`` as a user runs it (a subprocess on the default model)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -10,8 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tokenloom.entrypoints.cli import build_parser, read_requests, sampling_params_from_args
+from tokenloom.entrypoints.cli import (
+    build_parser,
+    chat_session,
+    read_requests,
+    sampling_params_from_args,
+)
+from tokenloom.sampling_params import SamplingParams
 
+from .fake_engine import FakeAsyncLLM
 from .server_utils import REPO_ROOT
 
 SMALL_ENGINE = ["--max-model-len", "256", "--num-blocks", "64", "--log-level", "WARNING"]
@@ -96,3 +105,38 @@ def test_generate_needs_exactly_one_source() -> None:
     result = run_cli("generate")
     assert result.returncode == 2
     assert "PROMPT or --input" in result.stderr
+
+
+async def test_chat_session_keeps_history_and_streams() -> None:
+    engine = FakeAsyncLLM()
+    turns = iter(["hi", "", "again", "/exit", "never read"])
+
+    async def read_line() -> str:
+        return next(turns)
+
+    out = io.StringIO()
+    history = await chat_session(engine, SamplingParams(max_tokens=2), "be brief", read_line, out)
+    assert [m["role"] for m in history] == ["system", "user", "assistant", "user", "assistant"]
+    assert history[2]["content"] == "ab"
+    assert out.getvalue() == "ab\nab\n"
+    # The second turn's prompt carried the whole conversation so far.
+    assert len(engine.prompts) == 2
+    assert "user: hi\nassistant: ab\nuser: again\n" in engine.tokenizer.decode(engine.prompts[1])
+    assert engine.finished == engine.started
+
+
+async def test_chat_session_ends_on_eof_and_survives_a_refused_turn() -> None:
+    engine = FakeAsyncLLM()
+    turns = iter(["x" * 100, "ok"])
+
+    async def read_line() -> str:
+        try:
+            return next(turns)
+        except StopIteration:
+            raise EOFError from None
+
+    history = await chat_session(
+        engine, SamplingParams(max_tokens=1), None, read_line, io.StringIO()
+    )
+    # The over-long first turn was refused (context 64) and left out of the history.
+    assert history == [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "a"}]
