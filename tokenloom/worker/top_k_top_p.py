@@ -140,7 +140,10 @@ def _sample_candidates(
     position = torch.arange(width, device=logits.device)
     values.masked_fill_(position[None, :] >= k[:, None], _NEG_INF)
     # Normalise over the top-k set where it fits, else over the whole vocabulary.
-    log_total = torch.where(small_k, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+    log_total = values.logsumexp(dim=-1)
+    wide = (~small_k).nonzero().squeeze(1)
+    if wide.numel():
+        log_total[wide] = logits.index_select(0, wide).logsumexp(dim=-1)
     probs = (values - log_total.unsqueeze(1)).exp()
     mass = probs.cumsum(dim=-1)
     keep = (mass - probs) < p[:, None]
