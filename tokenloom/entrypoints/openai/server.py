@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -90,7 +89,7 @@ def build_app(
     async def list_models() -> dict[str, Any]:
         card = ModelCard(
             id=model_name,
-            root=getattr(engine, "model_path", None) or model_name,
+            root=engine.model_name,
             max_model_len=engine.max_model_len,
         )
         return ModelList(data=[card]).model_dump()
@@ -124,21 +123,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def client_gone(_: Request, __: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
-        errors = exc.errors()
-        loc = [part for part in (errors[0].get("loc", ()) if errors else ()) if part != "body"]
-        message = errors[0].get("msg", "invalid request") if errors else "invalid request"
-        param = str(loc[0]) if loc else None
-        return JSONResponse(error_body(message, param, 400), status_code=400)
-
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
         return JSONResponse(error_body(str(exc.detail), None, exc.status_code), exc.status_code)
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, exc: EngineDeadError) -> Response:
-        return JSONResponse(error_body(f"the engine is dead: {exc}", None, 500), 500)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> Response:
