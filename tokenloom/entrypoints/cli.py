@@ -117,7 +117,10 @@ def _engine_args(args: argparse.Namespace) -> Any:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from tokenloom.entrypoints.openai.server import run_server
 
-    run_server(args)
+    try:
+        run_server(args)
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; the engine is down
+        pass
     return 0
 
 

@@ -181,6 +181,8 @@ async def _serve(args: argparse.Namespace) -> None:
             port=args.port,
             log_level=args.uvicorn_log_level,
             timeout_keep_alive=5,
+            # Ctrl-C must not wait for long streams to finish on their own.
+            timeout_graceful_shutdown=5,
         )
         logger.info("serving %s on http://%s:%d", model_name, args.host, args.port)
         await uvicorn.Server(config).serve()
