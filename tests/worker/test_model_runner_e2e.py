@@ -271,6 +271,7 @@ def test_draft_verification_keeps_greedy_output(
 ) -> None:
     """Right drafts (transformers' own continuation) for even requests, wrong ones for odd."""
     k = 3
+    count = 8  # multi-token verification steps are the slow path: keep this lean
 
     def propose(request: Request) -> list[int]:
         i = int(request.request_id.rsplit("-", 1)[1])
@@ -281,13 +282,68 @@ def test_draft_verification_keeps_greedy_output(
 
     result = drive(
         runner,
-        prompts,
+        prompts[:count],
         "spec",
         SchedulerConfig(max_num_seqs=32),
         propose=propose,
         num_speculative_tokens=k,
     )
-    check_against_reference(result, references, "spec")
-    for i in range(len(prompts)):
+    check_against_reference(result, references[:count], "spec")
+    for i in range(count):
         most = result.most_tokens_in_a_step[f"spec-{i}"]
         assert most == (k + 1 if i % 2 == 0 else 1), (i, most)
+
+
+def run_requests(
+    runner: ModelRunner, requests: list[Request]
+) -> tuple[dict[str, list[int]], dict[str, list]]:
+    """A minimal driver that also collects logprobs."""
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=32),
+        CacheConfig(block_size=BLOCK_SIZE, num_blocks=RUNNER_BLOCKS),
+        runner.max_model_len,
+    )
+    for request in requests:
+        scheduler.add_request(request)
+    tokens: dict[str, list[int]] = defaultdict(list)
+    logprobs: dict[str, list] = defaultdict(list)
+    while scheduler.has_unfinished_requests():
+        scheduler_output = scheduler.schedule()
+        runner_output = runner.execute_model(scheduler_output)
+        asked = any(r.sampling_params.logprobs is not None for r in scheduler.running)
+        assert (runner_output.logprobs is not None) == asked
+        for engine_outputs in scheduler.update_from_output(
+            scheduler_output, runner_output
+        ).values():
+            for out in engine_outputs.outputs:
+                tokens[out.request_id].extend(out.new_token_ids)
+                if out.new_logprobs is not None:
+                    logprobs[out.request_id].extend(out.new_logprobs)
+    runner.execute_model(scheduler.schedule())
+    assert runner.input_batch.num_reqs == 0
+    return dict(tokens), dict(logprobs)
+
+
+def test_seeded_sampling_ignores_batch_and_logprobs_are_reported(
+    runner: ModelRunner, prompts: list[list[int]]
+) -> None:
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=10, logprobs=2)
+    alone, logprobs = run_requests(runner, [Request("alone", prompts[3], seeded)])
+    others = [
+        Request(f"other-{i}", prompts[i], SamplingParams(temperature=1.0, max_tokens=6))
+        for i in (0, 9, 12)
+    ]
+    together, _ = run_requests(runner, [*others, Request("together", prompts[3], seeded)])
+    assert together["together"] == alone["alone"]
+    other_seed = SamplingParams(temperature=0.9, top_p=0.95, seed=4321, max_tokens=10)
+    changed, _ = run_requests(runner, [Request("changed", prompts[3], other_seed)])
+    assert changed["changed"] != alone["alone"]
+
+    entries = logprobs["alone"]
+    assert len(entries) == len(alone["alone"]) == 10
+    for token, entry in zip(alone["alone"], entries, strict=True):
+        assert entry.token_ids[0] == token and len(entry.token_ids) == 3
+        assert all(lp <= 0.0 for lp in entry.logprobs)
+        assert entry.logprobs[1] >= entry.logprobs[2]
+        assert entry.sampled_rank >= 1
+        assert (entry.sampled_rank == 1) == (token == entry.token_ids[1])
