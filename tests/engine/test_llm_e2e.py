@@ -52,8 +52,8 @@ def test_n_completions_and_per_prompt_params(llm: Any) -> None:
     outs = llm.generate(
         ["a", "b"],
         [
-            SamplingParams(max_tokens=2, ignore_eos=True),
-            SamplingParams(max_tokens=5, ignore_eos=True),
+            SamplingParams(max_tokens=1, ignore_eos=True),
+            SamplingParams(max_tokens=3, ignore_eos=True),
         ],
         use_tqdm=False,
     )
