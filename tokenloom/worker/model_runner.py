@@ -36,7 +36,12 @@ from tokenloom.worker.step_inputs import StepInputs, build_sampling_metadata, pr
 
 class ModelRunner:
     """Public attributes: ``model``, ``arch``, ``dtype``, ``device``, ``max_model_len``,
-    ``num_blocks`` (including the reserved null block 0), ``kv_caches``, ``input_batch``."""
+    ``num_blocks`` (including the reserved null block 0), ``kv_caches``, ``input_batch``,
+    ``eos_token_ids``.
+
+    Unseeded random rows share one generator seeded with ``ModelConfig.seed``, so a
+    run is reproducible given the same schedule; seeded requests have their own.
+    """
 
     def __init__(
         self,
@@ -99,7 +104,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run the step the scheduler decided; tokens for the requests that sample."""
+        """Run the step the scheduler decided; tokens for the requests that sample.
+
+        Must see every SchedulerOutput (also those with no tokens scheduled) so
+        that finished and preempted requests leave the batch. The output lists
+        the scheduled requests (decodes first); ``sampled_token_ids`` is empty
+        for a partial prefill.
+        """
         self._apply_deltas(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
