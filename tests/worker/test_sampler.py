@@ -218,7 +218,7 @@ def test_logprobs_come_from_raw_logits_with_ranks() -> None:
     md = make_metadata(
         3,
         temperature=[0.0, 0.8, 1.0],
-        top_k=[0 or VOCAB, 4, VOCAB],
+        top_k=[VOCAB, 4, VOCAB],
         penalties=([0.5] * 3, [0.5] * 3, [1.5] * 3),
         prompts=[[0], [1], [2]],
         outputs=[[3], [4], [5]],
