@@ -106,3 +106,19 @@ def test_min_tokens_defers_stop_strings(tokenizer: Any) -> None:
 
 def _prefix_texts(tokenizer: Any, ids: list[int]) -> list[str]:
     return [tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
+
+
+class _DecodeOnly:
+    """A tokenizer without a Rust backend: only ``decode``, like a slow tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.decode = tokenizer.decode
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_tokenizer_without_backend_gives_same_text(tokenizer: Any, skip: bool) -> None:
+    ids = tokenizer.encode("emoji 😀 中文<|im_end|> end")
+    fast, fast_seen = stream(tokenizer, ids, skip_special_tokens=skip)
+    slow, slow_seen = stream(_DecodeOnly(tokenizer), ids, skip_special_tokens=skip)  # type: ignore[arg-type]
+    assert slow.output_text == fast.output_text == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert slow_seen == fast_seen

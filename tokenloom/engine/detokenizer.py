@@ -40,6 +40,9 @@ class IncrementalDetokenizer:
         min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
+        # A fast tokenizer's Rust backend decodes the same text without
+        # transformers' per-call argument handling, which costs more than the decode.
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._skip_special_tokens = skip_special_tokens
         self._stop = list(stop or ())
         self._include_stop = include_stop_str_in_output
@@ -96,6 +99,8 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:
             return ""
+        if self._backend is not None:
+            return self._backend.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
         return self._tokenizer.decode(
             token_ids,
             skip_special_tokens=self._skip_special_tokens,
