@@ -166,8 +166,10 @@ async def test_invalid_requests_raise_value_error(
         await collect(engine.generate([1, 10**7], SamplingParams(), f"bad-{kind}"))
     with pytest.raises(ValueError, match="max_tokens"):
         await collect(engine.generate("Hi", SamplingParams(max_tokens=512), f"bad-{kind}"))
-    long_stream = engine.generate(PROMPT, SamplingParams(max_tokens=50), f"dup-{kind}")
-    await long_stream.__anext__()
+    long_stream = engine.generate(
+        PROMPT, SamplingParams(max_tokens=200, ignore_eos=True), f"dup-{kind}"
+    )
+    assert not (await long_stream.__anext__()).finished
     with pytest.raises(ValueError, match="already in use"):
         await collect(engine.generate("Hi", SamplingParams(), f"dup-{kind}"))
     await long_stream.aclose()
