@@ -107,7 +107,7 @@ async def test_stop_string_never_leaks_into_stream(
     )
     words = free[-1].outputs[0].text.split()
     assert len(words) >= 4, free[-1].outputs[0]
-    stop = " " + words[3]
+    stop = words[3]
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, stop=stop)
     deltas = await collect(engine.generate(PROMPT, params, f"stop-{kind}", delta=True))
     text = "".join(d.outputs[0].text for d in deltas)
