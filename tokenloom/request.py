@@ -85,6 +85,9 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        # Prompt + output tokens; a plain attribute because the scheduler reads it
+        # for every running request every step.
+        self.num_tokens = self.num_prompt_tokens
         self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1
@@ -106,10 +109,6 @@ class Request:
         return self._all_token_ids
 
     @property
-    def num_tokens(self) -> int:
-        return len(self._all_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self._output_token_ids)
 
@@ -119,9 +118,17 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
-            token_ids = [token_ids]
+            self.append_output_token_id(token_ids)
+            return
         self._output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
+        self.num_tokens += len(token_ids)
+
+    def append_output_token_id(self, token_id: int) -> None:
+        """One decoded token: the per-step hot path."""
+        self._output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        self.num_tokens += 1
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

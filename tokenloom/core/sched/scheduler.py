@@ -447,8 +447,9 @@ class Scheduler(SchedulerInterface):
                 continue  # a partial prefill produces no token
             if len(sampled) == 1:
                 new_tokens = sampled
-                request.append_output_token_ids(sampled)
-                stopped = stops_after(request, sampled[0], max_model_len)
+                token = sampled[0]
+                request.append_output_token_id(token)
+                stopped = stops_after(request, token, max_model_len)
             else:
                 new_tokens = append_until_stop(request, sampled, max_model_len)
                 stopped = request.status != running_status
