@@ -50,7 +50,7 @@ class CacheConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     # Share of free memory the KV cache may take when num_blocks is None.
-    memory_fraction: float = 0.3
+    memory_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")

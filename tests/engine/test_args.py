@@ -13,7 +13,7 @@ def test_defaults_build_configs() -> None:
     model_config, cache_config, scheduler_config = EngineArgs().create_configs()
     assert model_config.model is None and model_config.device == "cpu"
     assert cache_config.block_size == 16 and cache_config.num_blocks is None
-    assert cache_config.memory_fraction == 0.3
+    assert cache_config.memory_fraction == 0.1
     assert scheduler_config.max_num_seqs == 256 and scheduler_config.policy == "fcfs"
 
 

@@ -45,7 +45,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
     seed: int = 0
-    kv_cache_memory_fraction: float = 0.3
+    kv_cache_memory_fraction: float = 0.1
     device: str = "cpu"
     log_stats: bool = True
     served_model_name: str | None = None
