@@ -9,6 +9,7 @@ runs in the caller's process (``LLM``, tests) or in its own (``core_proc``).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 
@@ -54,6 +55,10 @@ class EngineCore:
         self._first_scheduled: dict[str, float] = {}
         # Tokens the latest step scheduled (0: it could make no progress).
         self.last_num_scheduled_tokens = 0
+        # Everything built so far lives as long as the engine: keep it out of the
+        # collector's full passes, which otherwise walk it between steps.
+        gc.collect()
+        gc.freeze()
         logger.info(
             "engine core ready in %.1fs: %d KV blocks of %d tokens, max_model_len %d",
             time.monotonic() - started,
