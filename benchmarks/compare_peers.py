@@ -111,6 +111,7 @@ class EngineResult:
     engine: str
     workload: str
     walls: list[float] = field(default_factory=list)
+    own_cpu: list[float] = field(default_factory=list)  # CPU-s of the engine's processes
     output_tokens: int = 0  # per run, verified equal across runs
     lengths_ok: bool = True
     cached_tokens: int = 0
@@ -183,6 +184,7 @@ def collect(
         )
         for run in runs:
             res.walls.append(run["wall_s"])
+            res.own_cpu.append(run.get("own_cpu_s", 0.0))
             res.lengths_ok &= run["output_tokens"] == expected
             res.cached_tokens = run.get("cached_tokens", 0)
             frac = run["other_cpu_s"] / (run["wall_s"] * ncpu)
@@ -374,7 +376,7 @@ def write_report(
             rows.append(
                 f"| {eng}{extra} | {wname} | {fmt_rate(out_tps)} | {fmt_rate(tot_tps)} | "
                 f"{res.wall:.2f} | {ratio} | {hit} | {lengths} | {len(res.walls)} | "
-                f"{res.other_cpu_frac:.0%} |"
+                f"{res.other_cpu_frac:.0%} | {statistics.median(res.own_cpu or [0.0]):.0f} |"
             )
             bars.append((eng, wname, out_tps))
             if res.other_cpu_frac > BUSY_WARN_FRACTION:
@@ -437,10 +439,12 @@ The floor is model FLOPs (2 x params per token fed + attention) over the fp32 ce
 Median of the runs; throughput counts the requested tokens (each engine's
 returned token counts were verified against them: "lengths"). Ratio =
 tokenloom's wall time / the engine's (above 1: faster than tokenloom).
-"others" = the most CPU other processes took during a timed run, as a share of the machine.
+"others" = the most CPU other processes took during a timed run, as a share of the machine;
+"CPU s" = CPU seconds the engine's own processes used (median run): less sensitive to a
+busy machine than wall time, though spin-waiting threads inflate it.
 
-| engine | workload | output tok/s | total tok/s | wall s | ratio to tokenloom | prefix-cache hits | lengths | runs | others |
-|---|---|---|---|---|---|---|---|---|---|
+| engine | workload | output tok/s | total tok/s | wall s | ratio to tokenloom | prefix-cache hits | lengths | runs | others | CPU s |
+|---|---|---|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
 {"![output tokens/s](" + Path(png).name + ")" if png else ""}

@@ -83,7 +83,7 @@ def test_write_report_table_and_chart(tmp_path):
     cp.write_report(args, res, workloads, {"float32": 10.0, "bfloat16": 5.0}, floors, "cmd x")
     text = (tmp_path / "peers.md").read_text()
     # main: 10 output tokens, 40 total, median wall 2.0 s -> 5.0 and 20.0 tok/s
-    assert "| tokenloom | main | 5.0 | 20.0 | 2.00 | 1.00x | 0% | ok | 3 | 0% |" in text
+    assert "| tokenloom | main | 5.0 | 20.0 | 2.00 | 1.00x | 0% | ok | 3 | 0% | 0 |" in text
     # vllm: wall 1.0 -> ratio 2.00x, busy warning
     assert "| vllm | main | 10.0 | 40.0 | 1.00 | 2.00x |" in text
     assert "vllm / main: other processes used up to 50%" in text
