@@ -83,8 +83,10 @@ class Request:
         self.stop_reason: int | str | None = None
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        self._output_token_ids: list[int] = []
-        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        # Plain attributes (not properties): the scheduler appends to both for
+        # every decoding request every step.
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
         # Prompt + output tokens; a plain attribute because the scheduler reads it
         # for every running request every step.
         self.num_tokens = self.num_prompt_tokens
@@ -96,38 +98,43 @@ class Request:
             sampling_params.max_tokens if sampling_params.max_tokens is not None else sys.maxsize
         )
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        # A cheap screen the scheduler applies to each decoded token before the
+        # exact stop check: a token outside ``stop_screen`` with ``num_tokens``
+        # below ``length_end`` cannot stop the request (max_model_len aside).
+        self.stop_screen = (
+            self.stop_token_ids
+            if eos_token_id is None or sampling_params.ignore_eos
+            else self.stop_token_ids | {eos_token_id}
+        )
+        self.length_end = self.num_prompt_tokens + self.max_tokens
+        # Set by the KV cache manager: allocate_slots(request, n) without lookahead
+        # is a no-op (no new block, no block fills) while
+        # num_computed_tokens + n < kv_noop_end; 0 while the request holds no blocks.
+        self.kv_noop_end = 0
         # Hashes of the full blocks of all_token_ids, extended by the KV cache
         # manager as tokens arrive; they survive preemption.
         self.block_hashes: list[object] = []
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self._output_token_ids
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self._all_token_ids
-
-    @property
     def num_output_tokens(self) -> int:
-        return len(self._output_token_ids)
+        return len(self.output_token_ids)
 
     @property
     def num_tokens_with_spec(self) -> int:
-        return len(self._all_token_ids) + len(self.spec_token_ids)
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
             self.append_output_token_id(token_ids)
             return
-        self._output_token_ids.extend(token_ids)
-        self._all_token_ids.extend(token_ids)
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
         self.num_tokens += len(token_ids)
 
     def append_output_token_id(self, token_id: int) -> None:
         """One decoded token: the per-step hot path."""
-        self._output_token_ids.append(token_id)
-        self._all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
         self.num_tokens += 1
 
     def is_finished(self) -> bool:

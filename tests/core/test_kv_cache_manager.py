@@ -424,3 +424,33 @@ def test_blocks_container() -> None:
     assert m.create_empty_block_list().get_block_ids() == []
     assert bool(EMPTY_BLOCKS)  # never falsy: callers test for None
     assert_no_leaks(m, [a])
+
+
+@pytest.mark.parametrize("enable_caching", [True, False])
+def test_kv_noop_end_bounds_the_no_op_path_exactly(enable_caching: bool) -> None:
+    """The scheduler skips allocate_slots below ``request.kv_noop_end``; that must be a no-op,
+    and reaching the bound must not be (a block is added or filled)."""
+    manager = make_manager(num_blocks=20, enable_caching=enable_caching)
+    other = make_request("other", [9] * 6)
+    schedule(manager, other)
+    request = make_request("r", [1, 2, 3, 4, 5])
+    assert request.kv_noop_end == 0  # holds no blocks yet
+    schedule(manager, request)
+    for token in range(20):
+        request.append_output_token_ids(token)
+        before = snapshot(manager, [request, other])
+        end = request.num_computed_tokens + 1
+        if end < request.kv_noop_end:
+            assert manager.allocate_slots(request, 1) is EMPTY_BLOCKS
+            assert snapshot(manager, [request, other]) == before
+        else:
+            assert end == request.kv_noop_end  # the bound is tight: one token crosses it
+            cached_before = manager.block_pool.cached.copy()
+            new = manager.allocate_slots(request, 1)
+            assert new is not None
+            changed = new.blocks or manager.block_pool.cached != cached_before
+            assert changed
+        request.num_computed_tokens = end
+    manager.free(request)
+    assert request.kv_noop_end == 0
+    assert_no_leaks(manager, [other])

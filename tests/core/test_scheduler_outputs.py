@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from tests.core.utils import (
@@ -12,8 +14,11 @@ from tests.core.utils import (
     make_scheduler,
     scripted,
 )
+from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.core.sched.scheduler import Scheduler
 from tokenloom.outputs import ModelRunnerOutput, TokenLogprobs
-from tokenloom.request import FinishReason, RequestStatus
+from tokenloom.request import FinishReason, Request, RequestStatus
+from tokenloom.sampling_params import SamplingParams
 
 EOS = 2
 
@@ -345,3 +350,41 @@ def test_duplicate_ids_and_non_finished_status_are_rejected() -> None:
     assert h.scheduler.get_request_counts() == (0, 1)
     h.run_until_done()
     assert_no_leaks(h.scheduler)
+
+
+@pytest.mark.parametrize(
+    ("eos", "ignore_eos", "stop_ids", "max_tokens", "expect"),
+    [
+        (2, False, None, None, {"stop"}),
+        (None, False, None, 3, {"length"}),
+        (2, True, [5], None, {"stop"}),
+        (None, False, [5, 6], None, {"stop"}),
+    ],
+)
+def test_stop_screen_sends_every_stopping_token_to_the_exact_check(
+    eos: int | None, ignore_eos: bool, stop_ids: list[int] | None, max_tokens: int | None,
+    expect: set[str],
+) -> None:  # fmt: skip
+    """The one-token path screens tokens with ``stop_screen``/``length_end``; a screened-out
+    token must never be one that stops the request."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_ids)
+    request = Request("r", [1, 2], params, eos_token_id=eos)
+    assert request.stop_screen == (
+        set(stop_ids or ()) | ({eos} if eos is not None and not ignore_eos else set())
+    )
+    assert request.length_end == (2 + max_tokens if max_tokens else sys.maxsize + 2)
+    # ignore_eos: EOS (2) must not stop; 5 is a stop token in the stop cases.
+    scheduler = Scheduler(SchedulerConfig(), CacheConfig(block_size=4, num_blocks=16), 64)
+    scheduler.add_request(request)
+    reasons: set[str] = set()
+    for token in [2, 7, 5, 8]:
+        so = scheduler.schedule()
+        if not so.num_scheduled_tokens:
+            break
+        out = scheduler.update_from_output(so, ModelRunnerOutput(["r"], {"r": 0}, [[token]]))
+        for o in out[0].outputs:
+            if o.finish_reason is not None:
+                reasons.add(str(o.finish_reason))
+    assert reasons == expect
+    stop_at = {(2, False): 1, (None, False): 3, (2, True): 3}.get((eos, ignore_eos), 3)
+    assert request.output_token_ids == [2, 7, 5, 8][:stop_at]

@@ -11,7 +11,9 @@ and ``block_pool`` (read-only inspection).
 
 The scheduler calls ``allocate_slots`` for every running request every step, so
 a call that needs no new block and fills no block does one dict lookup and a
-few comparisons and returns the shared :data:`EMPTY_BLOCKS`.
+few comparisons and returns the shared :data:`EMPTY_BLOCKS`. The manager also
+publishes that bound as ``request.kv_noop_end`` so the scheduler can skip such
+calls altogether.
 """
 
 from __future__ import annotations
@@ -41,6 +43,17 @@ class _RequestBlocks:
         self.num_cached = 0
         self.capacity = 0
         self.next_cache_end = 0
+
+
+def _publish_noop_end(request: Request, state: _RequestBlocks) -> None:
+    """Mirror the no-op bound of ``allocate_slots`` onto the request.
+
+    The scheduler reads ``request.kv_noop_end`` to skip the call for a decoding
+    request whose next token neither needs a block nor fills one (most steps).
+    """
+    capacity_end = state.capacity + 1
+    next_cache_end = state.next_cache_end
+    request.kv_noop_end = next_cache_end if next_cache_end < capacity_end else capacity_end
 
 
 class KVCacheManager:
@@ -205,6 +218,7 @@ class KVCacheManager:
         if end >= state.next_cache_end:
             num_tokens = request.num_tokens
             self._cache_full_blocks(request, state, end if end < num_tokens else num_tokens)
+        _publish_noop_end(request, state)
         return new
 
     def _allocate_with_prefix(
@@ -267,6 +281,7 @@ class KVCacheManager:
             self._cache_full_blocks(
                 request, state, min(num_computed + num_new_tokens, request.num_tokens)
             )
+        _publish_noop_end(request, state)
         return KVCacheBlocks(new_blocks) if new_blocks else EMPTY_BLOCKS
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -280,6 +295,7 @@ class KVCacheManager:
         if state is None:
             return
         self._cache_full_blocks(request, state, min(num_computed_tokens, request.num_tokens))
+        _publish_noop_end(request, state)
 
     def _cache_full_blocks(self, request: Request, state: _RequestBlocks, num_tokens: int) -> None:
         block_size = self.block_size
@@ -301,6 +317,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its last blocks are evicted first."""
         state = self._requests.pop(request.request_id, None)
+        request.kv_noop_end = 0
         if state is not None:
             self.block_pool.free_blocks(reversed(state.blocks))
 

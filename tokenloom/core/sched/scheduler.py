@@ -189,14 +189,38 @@ class Scheduler(SchedulerInterface):
         cached_blocks: list[list[int] | None] = []
         cached_computed: list[int] = []
 
+        ids_append = cached_ids.append
+        blocks_append = cached_blocks.append
+        computed_append = cached_computed.append
+        fast_cap = min(chunk_cap, token_budget)
+
         index = 0
         num_running = len(running)
         while index < num_running and token_budget > 0:
             request = running[index]
             num_computed = request.num_computed_tokens
             num_tokens = request.num_tokens
-            spec = request.spec_token_ids
             num_new = num_tokens - num_computed
+            # Fast path (most running requests, most steps): no drafts, within the
+            # caps, and the KV cache manager has said allocate_slots would be a
+            # no-op, so the call is skipped.
+            if (
+                0 < num_new <= fast_cap
+                and num_tokens < request.kv_noop_end
+                and not request.spec_token_ids
+            ):
+                req_id = request.request_id
+                ids_append(req_id)
+                blocks_append(None)
+                computed_append(num_computed)
+                num_scheduled[req_id] = num_new
+                token_budget -= num_new
+                if token_budget < fast_cap:
+                    fast_cap = token_budget
+                request.num_computed_tokens = num_tokens
+                index += 1
+                continue
+            spec = request.spec_token_ids
             if spec:
                 # Without drafts num_tokens <= max_model_len already bounds num_new.
                 num_new += len(spec)
@@ -236,12 +260,14 @@ class Scheduler(SchedulerInterface):
             if new_blocks is None:
                 break
             req_id = request.request_id
-            cached_ids.append(req_id)
+            ids_append(req_id)
             blocks = new_blocks.blocks
-            cached_blocks.append([b.block_id for b in blocks] if blocks else None)
-            cached_computed.append(num_computed)
+            blocks_append([b.block_id for b in blocks] if blocks else None)
+            computed_append(num_computed)
             num_scheduled[req_id] = num_new
             token_budget -= num_new
+            if token_budget < fast_cap:
+                fast_cap = token_budget
             request.num_computed_tokens = num_computed + num_new
             if num_spec:
                 if num_spec < len(spec):
@@ -417,6 +443,7 @@ class Scheduler(SchedulerInterface):
         their ids go out in the next ``SchedulerOutput.finished_req_ids``.
         """
         requests = self.requests
+        get_request = requests.get
         logprobs_all = model_runner_output.logprobs
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
         scheduled = scheduler_output.num_scheduled_tokens
@@ -432,9 +459,9 @@ class Scheduler(SchedulerInterface):
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
         ):
             index += 1
-            request = requests.get(req_id)
+            request = get_request(req_id)
             # Finished, aborted or preempted since schedule(): nothing to apply.
-            if request is None or request.status != running_status or req_id not in scheduled:
+            if request is None or request.status is not running_status or req_id not in scheduled:
                 continue
             if request.spec_token_ids:
                 request.spec_token_ids = []
@@ -443,13 +470,23 @@ class Scheduler(SchedulerInterface):
                 if drafts:
                     accepted = len(sampled) - 1 if sampled else 0
                     request.num_computed_tokens -= len(drafts) - accepted
-            if not sampled:
-                continue  # a partial prefill produces no token
             if len(sampled) == 1:
+                # One decoded token, inlined (this runs for every decoding request
+                # every step): append it, then screen it cheaply; only a token that
+                # may stop the request gets the exact check.
                 new_tokens = sampled
                 token = sampled[0]
-                request.append_output_token_id(token)
-                stopped = stops_after(request, token, max_model_len)
+                request.output_token_ids.append(token)
+                request.all_token_ids.append(token)
+                num_tokens = request.num_tokens + 1
+                request.num_tokens = num_tokens
+                stopped = (
+                    token in request.stop_screen
+                    or num_tokens >= request.length_end
+                    or num_tokens >= max_model_len
+                ) and stops_after(request, token, max_model_len)
+            elif not sampled:
+                continue  # a partial prefill produces no token
             else:
                 new_tokens = append_until_stop(request, sampled, max_model_len)
                 stopped = request.status != running_status
