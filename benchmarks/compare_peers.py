@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -135,13 +136,16 @@ def run_worker(
     print(f"\n== {name}: {shlex.join(cmd)}\n   (log: {log})", flush=True)
     t0 = time.time()
     with open(log, "w") as f:
+        # Own session, so a timeout can stop the worker's whole tree (vLLM's engine
+        # processes would otherwise be orphaned and keep their memory).
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+        )
         try:
-            proc = subprocess.run(
-                cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT
-            )
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            print(f"   {name}: timed out after {timeout:.0f} s; skipped")
-            return None
+            stop_group(proc)
+            print(f"   {name}: timed out after {timeout:.0f} s; stopped")
     tail = log.read_text(errors="replace").strip().splitlines()[-15:]
     for line in tail:
         if line.startswith(f"[{name.split('-')[0]}") or "rep " in line:
@@ -161,6 +165,20 @@ def run_worker(
     data["command"] = COMMAND
     out.write_text(json.dumps(data))
     return data
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the worker's process group, then SIGKILL what is left after 20 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=20)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def workload_sha(path: str | Path) -> str:
