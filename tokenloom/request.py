@@ -49,6 +49,23 @@ _FINISHED_REASONS = {
 }
 
 
+# One shared screen per EOS id for requests without stop tokens (the common
+# case), so ~1000 running requests read one hot set instead of 1000 cold ones.
+_EOS_SCREENS: dict[int, frozenset[int]] = {}
+_EMPTY_SCREEN: frozenset[int] = frozenset()
+
+
+def _stop_screen(stop_token_ids: frozenset[int], eos_token_id: int | None) -> frozenset[int]:
+    if stop_token_ids:
+        return stop_token_ids if eos_token_id is None else stop_token_ids | {eos_token_id}
+    if eos_token_id is None:
+        return _EMPTY_SCREEN
+    screen = _EOS_SCREENS.get(eos_token_id)
+    if screen is None:
+        screen = _EOS_SCREENS[eos_token_id] = frozenset((eos_token_id,))
+    return screen
+
+
 class Request:
     """One sequence being generated.
 
@@ -70,47 +87,49 @@ class Request:
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
-        self.request_id = request_id
-        self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
-        self.arrival_time = time.time() if arrival_time is None else arrival_time
-        self.priority = priority
-        self.client_index = client_index
-        # Separates prefix caches: requests with different salts never share blocks.
-        self.cache_salt = cache_salt
+        max_tokens = sampling_params.max_tokens
+        stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        prompt_token_ids = list(prompt_token_ids)
 
+        # The attributes the scheduler touches for every running request every
+        # step come first: instance values are stored in assignment order, so
+        # they share a couple of cache lines (this matters with ~1000 requests).
+        self.request_id = request_id
         self.status = RequestStatus.WAITING
-        self.stop_reason: int | str | None = None
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.num_prompt_tokens = len(self.prompt_token_ids)
-        # Plain attributes (not properties): the scheduler appends to both for
-        # every decoding request every step.
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
-        # Prompt + output tokens; a plain attribute because the scheduler reads it
-        # for every running request every step.
-        self.num_tokens = self.num_prompt_tokens
-        self.spec_token_ids: list[int] = []
+        # Prompt + output tokens (a plain attribute, read every step).
+        self.num_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.num_cached_tokens = -1
-        self.num_preemptions = 0
-        self.max_tokens = (
-            sampling_params.max_tokens if sampling_params.max_tokens is not None else sys.maxsize
-        )
-        self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
-        # A cheap screen the scheduler applies to each decoded token before the
-        # exact stop check: a token outside ``stop_screen`` with ``num_tokens``
-        # below ``length_end`` cannot stop the request (max_model_len aside).
-        self.stop_screen = (
-            self.stop_token_ids
-            if eos_token_id is None or sampling_params.ignore_eos
-            else self.stop_token_ids | {eos_token_id}
-        )
-        self.length_end = self.num_prompt_tokens + self.max_tokens
         # Set by the KV cache manager: allocate_slots(request, n) without lookahead
         # is a no-op (no new block, no block fills) while
         # num_computed_tokens + n < kv_noop_end; 0 while the request holds no blocks.
         self.kv_noop_end = 0
+        self.spec_token_ids: list[int] = []
+        # Plain attributes (not properties): the scheduler appends to both for
+        # every decoding request every step.
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # A cheap screen the scheduler applies to each decoded token before the
+        # exact stop check: a token outside ``stop_screen`` with ``num_tokens``
+        # below ``length_end`` cannot stop the request (max_model_len aside).
+        self.stop_screen = _stop_screen(
+            stop_token_ids, None if sampling_params.ignore_eos else eos_token_id
+        )
+        self.length_end = sys.maxsize if max_tokens is None else len(prompt_token_ids) + max_tokens
+        self.client_index = client_index
+        self.num_cached_tokens = -1
+
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        # Separates prefix caches: requests with different salts never share blocks.
+        self.cache_salt = cache_salt
+        self.stop_reason: int | str | None = None
+        self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_preemptions = 0
+        self.max_tokens = max_tokens if max_tokens is not None else sys.maxsize
+        self.stop_token_ids = stop_token_ids
         # Hashes of the full blocks of all_token_ids, extended by the KV cache
         # manager as tokens arrive; they survive preemption.
         self.block_hashes: list[object] = []

@@ -372,7 +372,7 @@ def test_stop_screen_sends_every_stopping_token_to_the_exact_check(
     assert request.stop_screen == (
         set(stop_ids or ()) | ({eos} if eos is not None and not ignore_eos else set())
     )
-    assert request.length_end == (2 + max_tokens if max_tokens else sys.maxsize + 2)
+    assert request.length_end == (2 + max_tokens if max_tokens else sys.maxsize)
     # ignore_eos: EOS (2) must not stop; 5 is a stop token in the stop cases.
     scheduler = Scheduler(SchedulerConfig(), CacheConfig(block_size=4, num_blocks=16), 64)
     scheduler.add_request(request)

@@ -113,6 +113,11 @@ class Scheduler(SchedulerInterface):
         self._chunk_cap = threshold if (chunked and threshold > 0) else sys.maxsize
         self._priority = scheduler_config.policy == "priority"
 
+        # Drafts only arrive through update_draft_token_ids; until the first ones do,
+        # the per-request loops skip reading spec_token_ids (one less object touched
+        # per request per step, which counts at large batch sizes).
+        self._drafts_seen = False
+
         # Counted since the previous make_stats().
         self._prefix_queries = 0
         self._prefix_hits = 0
@@ -164,6 +169,8 @@ class Scheduler(SchedulerInterface):
             if request is None or request.status != _RUNNING:
                 continue
             request.spec_token_ids = list(drafts[:limit])
+            if drafts:
+                self._drafts_seen = True
 
     def get_request_counts(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting)
@@ -193,6 +200,7 @@ class Scheduler(SchedulerInterface):
         blocks_append = cached_blocks.append
         computed_append = cached_computed.append
         fast_cap = min(chunk_cap, token_budget)
+        no_drafts = not self._drafts_seen
 
         index = 0
         num_running = len(running)
@@ -207,7 +215,7 @@ class Scheduler(SchedulerInterface):
             if (
                 0 < num_new <= fast_cap
                 and num_tokens < request.kv_noop_end
-                and not request.spec_token_ids
+                and (no_drafts or not request.spec_token_ids)
             ):
                 req_id = request.request_id
                 ids_append(req_id)
@@ -445,6 +453,7 @@ class Scheduler(SchedulerInterface):
         requests = self.requests
         get_request = requests.get
         logprobs_all = model_runner_output.logprobs
+        drafts_seen = self._drafts_seen
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
         scheduled = scheduler_output.num_scheduled_tokens
         max_model_len = self.max_model_len
@@ -463,13 +472,14 @@ class Scheduler(SchedulerInterface):
             # Finished, aborted or preempted since schedule(): nothing to apply.
             if request is None or request.status is not running_status or req_id not in scheduled:
                 continue
-            if request.spec_token_ids:
-                request.spec_token_ids = []
-            if spec_scheduled:
-                drafts = spec_scheduled.get(req_id)
-                if drafts:
-                    accepted = len(sampled) - 1 if sampled else 0
-                    request.num_computed_tokens -= len(drafts) - accepted
+            if drafts_seen:
+                if request.spec_token_ids:
+                    request.spec_token_ids = []
+                if spec_scheduled:
+                    drafts = spec_scheduled.get(req_id)
+                    if drafts:
+                        accepted = len(sampled) - 1 if sampled else 0
+                        request.num_computed_tokens -= len(drafts) - accepted
             if len(sampled) == 1:
                 # One decoded token, inlined (this runs for every decoding request
                 # every step): append it, then screen it cheaply; only a token that
@@ -490,9 +500,11 @@ class Scheduler(SchedulerInterface):
             else:
                 new_tokens = append_until_stop(request, sampled, max_model_len)
                 stopped = request.status != running_status
-            logprobs = logprobs_all[index] if logprobs_all is not None else None
-            if logprobs is not None and len(logprobs) > len(new_tokens):
-                logprobs = logprobs[: len(new_tokens)]
+            logprobs = None
+            if logprobs_all is not None:
+                logprobs = logprobs_all[index]
+                if logprobs is not None and len(logprobs) > len(new_tokens):
+                    logprobs = logprobs[: len(new_tokens)]
             if request.client_index != client:
                 client = request.client_index
                 client_outputs = per_client.setdefault(client, [])
