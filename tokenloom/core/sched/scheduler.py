@@ -202,10 +202,13 @@ class Scheduler(SchedulerInterface):
         fast_cap = min(chunk_cap, token_budget)
         no_drafts = not self._drafts_seen
 
-        index = 0
-        num_running = len(running)
-        while index < num_running and token_budget > 0:
-            request = running[index]
+        preempted = False
+        # Iterate over a snapshot: preempting edits ``running`` mid-pass, and
+        # requests preempted during the pass are skipped (a for loop over a copy
+        # costs less per request than indexing with bookkeeping).
+        for request in running.copy():
+            if preempted and request.status is not _RUNNING:
+                continue
             num_computed = request.num_computed_tokens
             num_tokens = request.num_tokens
             num_new = num_tokens - num_computed
@@ -226,8 +229,9 @@ class Scheduler(SchedulerInterface):
                 if token_budget < fast_cap:
                     fast_cap = token_budget
                 request.num_computed_tokens = num_tokens
-                index += 1
                 continue
+            if token_budget <= 0:
+                break
             spec = request.spec_token_ids
             if spec:
                 # Without drafts num_tokens <= max_model_len already bounds num_new.
@@ -239,7 +243,6 @@ class Scheduler(SchedulerInterface):
             if num_new > token_budget:
                 num_new = token_budget
             if num_new <= 0:
-                index += 1
                 continue
             # Draft tokens get slots as lookahead so the manager never caches
             # blocks holding unverified tokens.
@@ -253,12 +256,10 @@ class Scheduler(SchedulerInterface):
                 victim_index = self._pick_victim()
                 victim = running[victim_index]
                 self._preempt(victim_index)
-                num_running -= 1
+                preempted = True
                 preempted_ids.add(victim.request_id)
                 if victim is request:
                     break
-                if victim_index < index:
-                    index -= 1
                 if victim.request_id in num_scheduled:
                     token_budget += self._unschedule(
                         victim.request_id, cached_ids, cached_blocks, cached_computed,
@@ -282,7 +283,6 @@ class Scheduler(SchedulerInterface):
                     spec = spec[:num_spec]
                     request.spec_token_ids = spec
                 spec_tokens[req_id] = spec
-            index += 1
 
         new_reqs: list[NewRequestData] = []
         # A fresh empty list per running request (they already hold their tokens).
@@ -463,11 +463,12 @@ class Scheduler(SchedulerInterface):
         client = -1
         client_outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
-        index = -1
-        for req_id, sampled in zip(
-            model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
+        req_ids = model_runner_output.req_ids
+        # Without logprobs (the common case) a run of Nones rides along in the zip.
+        logprobs_iter = repeat(None, len(req_ids)) if logprobs_all is None else logprobs_all
+        for req_id, sampled, logprobs in zip(
+            req_ids, model_runner_output.sampled_token_ids, logprobs_iter, strict=True
         ):
-            index += 1
             request = get_request(req_id)
             # Finished, aborted or preempted since schedule(): nothing to apply.
             if request is None or request.status is not running_status or req_id not in scheduled:
@@ -500,11 +501,8 @@ class Scheduler(SchedulerInterface):
             else:
                 new_tokens = append_until_stop(request, sampled, max_model_len)
                 stopped = request.status != running_status
-            logprobs = None
-            if logprobs_all is not None:
-                logprobs = logprobs_all[index]
-                if logprobs is not None and len(logprobs) > len(new_tokens):
-                    logprobs = logprobs[: len(new_tokens)]
+            if logprobs is not None and len(logprobs) > len(new_tokens):
+                logprobs = logprobs[: len(new_tokens)]
             if request.client_index != client:
                 client = request.client_index
                 client_outputs = per_client.setdefault(client, [])
