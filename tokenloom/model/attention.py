@@ -21,8 +21,9 @@ reads context through the block tables: a request in this batch may hit
 (query_len 1) are batched: their blocks are gathered into one padded
 ``[B, L, Hkv, D]`` tensor and attended with one masked SDPA call, the query
 heads of a KV group acting as that group's query rows. Decodes whose context
-lengths differ by more than 2x are split into length buckets (one call each) so
-that padding never more than doubles the gathered bytes. Prefill chunks go one
+lengths differ by more than 1.5x are split into length buckets (one call each)
+so that padding adds at most half the gathered bytes: the gather dominates a
+decode step, and a few more SDPA calls cost less than copying padding. Prefill chunks go one
 SDPA call each, causal with the chunk offset by its cached context; a chunk with
 no cached context attends to its own fresh K/V without touching the cache.
 """
@@ -142,18 +143,18 @@ class AttentionMetadata:
 
 def _bucket_by_length(rows: list[int], seq_lens: list[int], block_size: int) -> list[list[int]]:
     """Split decodes (positions into ``rows``) so that padding to a group's longest
-    context at most doubles the blocks gathered; one group, in batch order, when
-    the lengths are already within a factor of two."""
+    context gathers at most 1.5x the blocks needed; one group, in batch order,
+    when the lengths are already within that factor."""
     if not rows:
         return []
     blocks = [-(-s // block_size) for s in seq_lens]
-    if max(blocks) <= 2 * min(blocks):
+    if 2 * max(blocks) <= 3 * min(blocks):
         return [list(range(len(rows)))]
     order = sorted(range(len(rows)), key=lambda j: -blocks[j])
     groups: list[list[int]] = [[order[0]]]
     group_max = blocks[order[0]]
     for j in order[1:]:
-        if 2 * blocks[j] < group_max:
+        if 3 * blocks[j] < 2 * group_max:
             groups.append([])
             group_max = blocks[j]
         groups[-1].append(j)
