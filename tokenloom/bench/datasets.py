@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tokenloom.jsonl import iter_jsonl
+
 LENGTH_DISTRIBUTIONS = ("fixed", "uniform", "log-uniform")
 
 
@@ -142,28 +144,21 @@ def jsonl_requests(
 ) -> list[BenchRequest]:
     """Prompts from a file with one ``{"prompt": str | [ids], "max_tokens"?: int}`` per line."""
     out: list[BenchRequest] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON: {e}") from e
-            if not isinstance(row, dict) or "prompt" not in row:
-                raise ValueError(f"{path}:{lineno}: each line needs a 'prompt' field")
-            prompt = row["prompt"]
-            max_tokens = int(row.get("max_tokens", default_max_tokens))
-            if max_tokens < 1:
-                raise ValueError(f"{path}:{lineno}: max_tokens must be >= 1")
-            if isinstance(prompt, str):
-                out.append(BenchRequest(encode(prompt), max_tokens, prompt=prompt))
-            elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                out.append(BenchRequest(list(prompt), max_tokens))
-            else:
-                raise ValueError(f"{path}:{lineno}: prompt must be a string or a list of ints")
-            if num_requests is not None and len(out) >= num_requests:
-                break
+    for lineno, row in iter_jsonl(path):
+        if not isinstance(row, dict) or "prompt" not in row:
+            raise ValueError(f"{path}:{lineno}: each line needs a 'prompt' field")
+        prompt = row["prompt"]
+        max_tokens = int(row.get("max_tokens", default_max_tokens))
+        if max_tokens < 1:
+            raise ValueError(f"{path}:{lineno}: max_tokens must be >= 1")
+        if isinstance(prompt, str):
+            out.append(BenchRequest(encode(prompt), max_tokens, prompt=prompt))
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            out.append(BenchRequest(list(prompt), max_tokens))
+        else:
+            raise ValueError(f"{path}:{lineno}: prompt must be a string or a list of ints")
+        if num_requests is not None and len(out) >= num_requests:
+            break
     if not out:
         raise ValueError(f"{path}: no prompts found")
     return out

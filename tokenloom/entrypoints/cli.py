@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from tokenloom.jsonl import iter_jsonl
 from tokenloom.sampling_params import SamplingParams
 
 # ----------------------------------------------------------------- parsing
@@ -127,21 +128,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def read_requests(path: Path) -> list[dict[str, Any]]:
     """JSONL records, each with a string ``prompt`` or a list of ``messages``."""
     records = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not valid JSON: {exc}") from exc
-            prompt_ok = isinstance(record, dict) and isinstance(record.get("prompt"), str)
-            messages_ok = isinstance(record, dict) and isinstance(record.get("messages"), list)
-            if not (prompt_ok or messages_ok):
-                raise ValueError(
-                    f'{path}:{number}: each line needs a string "prompt" or a list "messages"'
-                )
-            records.append(record)
+    for number, record in iter_jsonl(path):
+        prompt_ok = isinstance(record, dict) and isinstance(record.get("prompt"), str)
+        messages_ok = isinstance(record, dict) and isinstance(record.get("messages"), list)
+        if not (prompt_ok or messages_ok):
+            raise ValueError(
+                f'{path}:{number}: each line needs a string "prompt" or a list "messages"'
+            )
+        records.append(record)
     return records
 
 
