@@ -22,6 +22,7 @@ from torch import nn
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.attention import AttentionMetadata, paged_attention
 from tokenloom.model.layers import RMSNorm, RotaryEmbedding, SiluMLP, apply_rope
+from tokenloom.model.packed_linear import PackedLinear, prepack_linears
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -99,10 +100,19 @@ class CausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, dtype=dtype)
+        self.logits_head: PackedLinear | None = None
 
     def init_buffers(self, device: torch.device, dtype: torch.dtype) -> None:
         """Compute non-weight state (the RoPE table) once the model sits on its device."""
         self.rotary.build_cache(device, dtype)
+
+    def prepack_weights(self) -> None:
+        """Run every matmul, the LM head included, on MKL-packed weights (CPU, float32:
+        see ``packed_linear``); the parameters stay as they are."""
+        prepack_linears(self.layers)
+        self.logits_head = PackedLinear(
+            self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        )
 
     def forward(
         self,
@@ -120,6 +130,8 @@ class CausalLM(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.logits_head is not None:
+            return self.logits_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()
 

@@ -27,6 +27,7 @@ from tokenloom.model.arch_config import ModelArchConfig, load_arch_config
 from tokenloom.model.dtype import resolve_dtype
 from tokenloom.model.gguf_loader import iter_gguf_weights
 from tokenloom.model.llama import CausalLM
+from tokenloom.model.packed_linear import prepacking_available
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SUPPORTED = "a Hugging Face model directory (config.json + *.safetensors) or a .gguf file"
@@ -109,4 +110,6 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     model.init_buffers(device, dtype)
     model.eval()
     model.requires_grad_(False)
+    if prepacking_available(device, dtype):
+        model.prepack_weights()
     return LoadedModel(model=model, arch=arch, dtype=dtype, device=device, path=path)
