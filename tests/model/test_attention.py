@@ -1,7 +1,8 @@
 """paged_attention against a dense per-request reference, over batch layouts
 that exercise every path: single decode group, length-bucketed decode groups in
 scrambled order, prefill with and without cached context, and a prefix hit on a
-block that another request writes in the same step."""
+block that another request writes in the same step. Each test runs on the
+pure-torch path and on the native CPU kernel (which takes short queries)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,24 @@ import math
 import pytest
 import torch
 
-from tokenloom.model.attention import AttentionMetadata, _bucket_by_length, paged_attention
+from tokenloom.model.attention import (
+    NATIVE_MAX_QUERY,
+    AttentionMetadata,
+    _bucket_by_length,
+    paged_attention,
+)
+from tokenloom.model.cpu_kernels import paged_attention_op
 
 H, HKV, D, BS = 6, 2, 8, 4
+NATIVE_OP = paged_attention_op(torch.device("cpu"), torch.float32)
+PATHS = ["torch", "native"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request: pytest.FixtureRequest) -> str:
+    if request.param == "native" and NATIVE_OP is None:
+        pytest.fail("the native CPU attention kernel did not build on this machine")
+    return str(request.param)
 
 
 def _reference(q, k_all, v_all, ctx):
@@ -26,7 +42,7 @@ def _reference(q, k_all, v_all, ctx):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def _run(requests: list[dict], seed: int = 0) -> float:
+def _run(requests: list[dict], seed: int = 0, path: str = "torch") -> float:
     """requests: dicts with seq_len, query_len, and optional shared=(other, n_blocks)
     taking the other's first n_blocks blocks. Returns max |paged - reference|."""
     g = torch.Generator().manual_seed(seed)
@@ -42,9 +58,10 @@ def _run(requests: list[dict], seed: int = 0) -> float:
             next_block += 1
         blocks.append(own)
     num_blocks = next_block
-    k_cache = torch.randn(num_blocks, BS, HKV, D, generator=g)  # prior context, random
+    k_tokens = torch.randn(num_blocks, BS, HKV, D, generator=g)  # prior context, random
     v_cache = torch.randn(num_blocks, BS, HKV, D, generator=g)
-    final_k = k_cache.view(-1, HKV, D).clone()
+    k_cache = k_tokens.permute(0, 2, 3, 1).contiguous()  # K blocks are [Hkv, D, BS]
+    final_k = k_tokens.view(-1, HKV, D).clone()
     final_v = v_cache.view(-1, HKV, D).clone()
 
     slots, qs, ks, vs = [], [], [], []
@@ -67,7 +84,13 @@ def _run(requests: list[dict], seed: int = 0) -> float:
         table,
         torch.tensor(slots),
         BS,
+        native_op=NATIVE_OP if path == "native" else None,
     )
+    if path == "native":
+        short = sum(r["query_len"] for r in requests if r["query_len"] <= NATIVE_MAX_QUERY)
+        assert meta.native is not None and meta.native.num_tokens == short
+    else:
+        assert meta.native is None
     out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta)
     worst = 0.0
     start = 0
@@ -80,17 +103,17 @@ def _run(requests: list[dict], seed: int = 0) -> float:
     return worst
 
 
-def test_decodes_of_equal_length() -> None:
-    assert _run([{"seq_len": 17, "query_len": 1} for _ in range(5)]) < 1e-5
+def test_decodes_of_equal_length(path: str) -> None:
+    assert _run([{"seq_len": 17, "query_len": 1} for _ in range(5)], path=path) < 1e-5
 
 
-def test_decodes_bucketed_by_length() -> None:
+def test_decodes_bucketed_by_length(path: str) -> None:
     lens = [3, 90, 12, 41, 1, 88, 7]
     assert len(_bucket_by_length(list(range(len(lens))), lens, BS)) > 2
-    assert _run([{"seq_len": s, "query_len": 1} for s in lens]) < 1e-5
+    assert _run([{"seq_len": s, "query_len": 1} for s in lens], path=path) < 1e-5
 
 
-def test_mixed_batch_with_prefix_hit_in_same_step() -> None:
+def test_mixed_batch_with_prefix_hit_in_same_step(path: str) -> None:
     requests = [
         {"seq_len": 30, "query_len": 1},  # decode
         {"seq_len": 9, "query_len": 9},  # fresh prefill writing blocks 0..2
@@ -99,22 +122,23 @@ def test_mixed_batch_with_prefix_hit_in_same_step() -> None:
         {"seq_len": 13, "query_len": 5, "shared": (1, 2)},
         {"seq_len": 20, "query_len": 6},  # chunk after 14 cached tokens
         {"seq_len": 100, "query_len": 1},  # long decode: its own bucket
+        {"seq_len": 140, "query_len": 40},  # a chunk too long for the native kernel
     ]
-    assert _run(requests) < 1e-5
+    assert _run(requests, path=path) < 1e-5
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_random_layouts(seed: int) -> None:
+def test_random_layouts(seed: int, path: str) -> None:
     g = torch.Generator().manual_seed(100 + seed)
     requests = []
     for _ in range(8):
         seq_len = int(torch.randint(1, 60, (1,), generator=g))
         query_len = 1 if torch.rand(1, generator=g) < 0.6 else seq_len - seq_len // 3
         requests.append({"seq_len": seq_len, "query_len": max(1, query_len)})
-    assert _run(requests, seed) < 1e-5
+    assert _run(requests, seed, path) < 1e-5
 
 
-def test_detects_wrong_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_detects_wrong_attention(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     """The reference comparison fails when the cache holds the wrong context."""
     import tests.model.test_attention as this_module
 
@@ -126,4 +150,42 @@ def test_detects_wrong_attention(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(this_module, "paged_attention", broken)
     requests = [{"seq_len": 9, "query_len": 1}, {"seq_len": 9, "query_len": 1}]
-    assert _run(requests) > 1e-3
+    assert _run(requests, path=path) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 80, 16), (4, 1, 64, 8)],
+)
+def test_native_kernel_matches_torch_at_model_shapes(
+    heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """The kernel's specialised head sizes and whole-tile paths (the small shapes
+    above take its generic ones) agree with the torch path on decodes and chunks."""
+    if NATIVE_OP is None:
+        pytest.fail("the native CPU attention kernel did not build on this machine")
+    g = torch.Generator().manual_seed(7)
+    query_lens = [1, 1, 5, 1, 32, 1, 17]
+    seq_lens = [300, 7, 45, 129, 160, 64, 17]
+    max_blocks = -(-max(seq_lens) // block_size)
+    num_blocks = 1 + len(seq_lens) * max_blocks
+    table = (torch.randperm(num_blocks - 1, generator=g) + 1)[: len(seq_lens) * max_blocks]
+    table = table.view(len(seq_lens), max_blocks).to(torch.int32)
+    slots = torch.cat(
+        [
+            table[i, torch.arange(s - q, s) // block_size].long() * block_size
+            + torch.arange(s - q, s) % block_size
+            for i, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True))
+        ]
+    )
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, heads, head_dim, generator=g)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=g)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=g)
+    k_cache = torch.randn(num_blocks, kv_heads, head_dim, block_size, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    outs = []
+    for op in (None, NATIVE_OP):
+        meta = AttentionMetadata.build(query_lens, seq_lens, table, slots, block_size, op)
+        outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta))
+    assert (outs[0] - outs[1]).abs().max().item() < 1e-5

@@ -26,11 +26,17 @@ so that padding adds at most half the gathered bytes: the gather dominates a
 decode step, and a few more SDPA calls cost less than copying padding. Prefill chunks go one
 SDPA call each, causal with the chunk offset by its cached context; a chunk with
 no cached context attends to its own fresh K/V without touching the cache.
+
+Where the native CPU kernel is available (``cpu_kernels``; the runner passes it
+as ``native_op``), every request with at most ``NATIVE_MAX_QUERY`` new tokens is
+attended by it in one call that reads K/V in place through the block table, and
+only longer chunks take the SDPA path above.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +69,24 @@ class DecodeGroup:
     mask: torch.Tensor  # bool [b, 1, 1, num_blocks * block_size]
 
 
+# Longest chunk the native kernel takes: it scores each query token against its
+# context separately, which beats gather + SDPA for short chunks only.
+NATIVE_MAX_QUERY = 32
+
+
+@dataclass
+class NativeBatch:
+    """Requests attended by one call of the native kernel (int32 metadata)."""
+
+    op: Callable[..., None]
+    block_table: torch.Tensor  # [>= rows, max_blocks]
+    table_rows: torch.Tensor  # [R] row of each request in block_table
+    query_start: torch.Tensor  # [R] first token in the flat batch
+    query_len: torch.Tensor  # [R]
+    seq_lens: torch.Tensor  # [R]
+    num_tokens: int
+
+
 @dataclass
 class AttentionMetadata:
     """Per-step description of the flat batch, shared by all layers."""
@@ -73,6 +97,7 @@ class AttentionMetadata:
     num_decodes: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    native: NativeBatch | None = None
 
     @classmethod
     def build(
@@ -82,6 +107,7 @@ class AttentionMetadata:
         block_table: torch.Tensor,
         slot_mapping: torch.Tensor,
         block_size: int,
+        native_op: Callable[..., None] | None = None,
     ) -> AttentionMetadata:
         num_reqs = len(query_lens)
         if len(seq_lens) != num_reqs:
@@ -102,6 +128,8 @@ class AttentionMetadata:
         dec_tokens: list[int] = []
         dec_seq_lens: list[int] = []
         prefills: list[PrefillChunk] = []
+        native_reqs: list[tuple[int, int, int, int]] = []  # (row, start, query_len, seq_len)
+        native_max_query = NATIVE_MAX_QUERY if native_op is not None else 0
         start = 0
         for i in range(num_reqs):
             q, s = int(query_lens[i]), int(seq_lens[i])
@@ -112,7 +140,9 @@ class AttentionMetadata:
                 raise ValueError(
                     f"request {i}: seq_len {s} needs {n_blocks} blocks, block_table has {max_blocks}"
                 )
-            if q == 1:
+            if q <= native_max_query:
+                native_reqs.append((i, start, q, s))
+            elif q == 1:
                 dec_rows.append(i)
                 dec_tokens.append(start)
                 dec_seq_lens.append(s)
@@ -131,6 +161,18 @@ class AttentionMetadata:
             _decode_group(members, dec_rows, dec_tokens, dec_seq_lens, block_table, block_size)
             for members in _bucket_by_length(dec_rows, dec_seq_lens, block_size)
         ]
+        native = None
+        if native_op is not None and native_reqs:
+            columns = torch.tensor(native_reqs, dtype=torch.int32).t().contiguous()
+            native = NativeBatch(
+                op=native_op,
+                block_table=block_table.to(torch.int32).contiguous(),
+                table_rows=columns[0],
+                query_start=columns[1],
+                query_len=columns[2],
+                seq_lens=columns[3],
+                num_tokens=sum(q for _, _, q, _ in native_reqs),
+            )
         return cls(
             num_tokens=num_tokens,
             block_size=block_size,
@@ -138,6 +180,7 @@ class AttentionMetadata:
             num_decodes=len(dec_rows),
             decode_groups=groups,
             prefills=prefills,
+            native=native,
         )
 
 
@@ -196,10 +239,24 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store this step's K/V ([T, Hkv, D]) at their slots."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    """Store this step's K/V ([T, Hkv, D]) at their slots (layouts: ``kv_cache``)."""
+    num_kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    block_size = v_cache.shape[1]
+    # K blocks are [Hkv, D, block_size]: slot (block, offset) is column `offset`.
+    k_cache.permute(0, 3, 1, 2).index_put_(
+        (slot_mapping // block_size, slot_mapping % block_size), k
+    )
+
+
+def _gather_keys(k_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Blocks ``block_ids`` [..., n] of K as token-major [..., Hkv, n * block_size, D]."""
+    blocks = k_cache.index_select(0, block_ids.reshape(-1))
+    num_blocks, num_kv_heads, head_dim, block_size = blocks.shape
+    blocks = blocks.view(*block_ids.shape, num_kv_heads, head_dim, block_size)
+    lead = block_ids.dim() - 1
+    order = (*range(lead), lead + 1, lead, lead + 3, lead + 2)  # -> [..., Hkv, n, bs, D]
+    return blocks.permute(order).reshape(*block_ids.shape[:-1], num_kv_heads, -1, head_dim)
 
 
 def _decode_attention(
@@ -207,10 +264,10 @@ def _decode_attention(
 ) -> torch.Tensor:
     """q: [b, H, D] -> [b, H, D], one masked SDPA over the group's gathered blocks."""
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = v_cache.shape[2]
     flat_ids = group.block_ids.view(-1)
+    k = _gather_keys(k_cache, group.block_ids)  # [b, Hkv, L, D]
     # [b, L, Hkv, D] -> [b, Hkv, L, D]
-    k = k_cache.index_select(0, flat_ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache.index_select(0, flat_ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     # The query heads sharing a KV head become that head's query rows.
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -226,28 +283,31 @@ def _prefill_attention(
     v_cache: torch.Tensor,
     chunk: PrefillChunk,
 ) -> torch.Tensor:
-    """q: [q, H, D]; k, v: this chunk's fresh [q, Hkv, D] -> [q, H, D]."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    """q: [q, H, D]; k, v: this chunk's fresh [q, Hkv, D] -> [q, H, D].
+
+    SDPA gets 4-D [1, heads, tokens, D] inputs: on CPU only those reach the fused
+    flash kernel (3-D ones take the unfused path, 3-4x slower at 512 tokens)."""
+    num_kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
     if chunk.context_len == 0:
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
             is_causal=True,
             enable_gqa=True,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
     assert chunk.block_ids is not None
-    kc = k_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)
+    kc = _gather_keys(k_cache, chunk.block_ids)  # [Hkv, L, D]
     vc = v_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        kc[: chunk.seq_len].transpose(0, 1),
-        vc[: chunk.seq_len].transpose(0, 1),
+        q.transpose(0, 1)[None],
+        kc[:, : chunk.seq_len][None],
+        vc[: chunk.seq_len].transpose(0, 1)[None],
         attn_mask=chunk.mask,
         enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention(
@@ -266,6 +326,20 @@ def paged_attention(
         return _decode_attention(q, k_cache, v_cache, groups[0]).reshape(num_tokens, -1)
 
     out = torch.empty_like(q)
+    native = meta.native
+    if native is not None:
+        native.op(
+            out,
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            native.block_table,
+            native.table_rows,
+            native.query_start,
+            native.query_len,
+            native.seq_lens,
+            1.0 / math.sqrt(head_dim),
+        )
     for group in groups:
         if group.token_slice is not None:
             a, b = group.token_slice

@@ -1,8 +1,11 @@
 """Paged KV cache tensors.
 
-Each layer owns a K and a V tensor of shape
-``[num_blocks, block_size, num_kv_heads, head_dim]``; token slot ``s`` lives at
-``(s // block_size, s % block_size)``. Block 0 is the scheduler's reserved null
+Each layer owns a K tensor ``[num_blocks, num_kv_heads, head_dim, block_size]``
+and a V tensor ``[num_blocks, block_size, num_kv_heads, head_dim]``; token slot
+``s`` lives in block ``s // block_size`` at offset ``s % block_size`` (K's column,
+V's row). Keys are transposed within a block so that attention scores a block
+of keys with vector FMAs across keys (``csrc/paged_attention.cpp``); values stay
+token-major, the layout the weighted sum reads. Block 0 is the scheduler's reserved null
 block: padded block-table entries point at it, so it must exist but is never read
 unmasked.
 """
@@ -33,11 +36,11 @@ def allocate_kv_caches(
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    shape = (num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+    heads, dim = arch.num_key_value_heads, arch.head_dim
     return [
         (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros((num_blocks, heads, dim, block_size), dtype=dtype, device=device),
+            torch.zeros((num_blocks, block_size, heads, dim), dtype=dtype, device=device),
         )
         for _ in range(arch.num_hidden_layers)
     ]

@@ -25,10 +25,12 @@ from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
 from tokenloom.core.sched.output import SchedulerOutput
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.attention import AttentionMetadata
+from tokenloom.model.cpu_kernels import paged_attention_op
 from tokenloom.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.loader import load_model
 from tokenloom.outputs import ModelRunnerOutput, TokenLogprobs
+from tokenloom.worker.host_malloc import keep_freed_memory
 from tokenloom.worker.input_batch import InputBatch
 from tokenloom.worker.sampler import Sampler
 from tokenloom.worker.step_inputs import StepInputs, build_sampling_metadata, prepare_step
@@ -53,6 +55,8 @@ class ModelRunner:
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.block_size = cache_config.block_size
+        if torch.device(model_config.device).type == "cpu":
+            keep_freed_memory()
 
         loaded = load_model(model_config)
         self.model = cast(CausalLM, loaded.model)
@@ -72,6 +76,7 @@ class ModelRunner:
             vocab_size=self.arch.vocab_size,
             device=self.device,
         )
+        self.native_attention = paged_attention_op(self.device, self.dtype)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)
         self.sampler = Sampler(generator)
@@ -122,6 +127,7 @@ class ModelRunner:
                 step.block_table,
                 step.slot_mapping,
                 self.block_size,
+                native_op=self.native_attention,
             )
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn_metadata)
             if len(step.row_slots) == 0:

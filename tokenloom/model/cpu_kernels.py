@@ -1,0 +1,70 @@
+"""Native CPU kernels, compiled on first use with torch's C++ extension builder.
+
+``paged_attention_op()`` returns the ``tokenloom_cpu.paged_attention`` op (see
+``csrc/paged_attention.cpp``), or None where it cannot be had: no C++ compiler,
+a failed build, or ``TOKENLOOM_CPU_KERNELS=0``. Callers then use the pure-torch
+path, which gives the same results more slowly. The build (about a minute, once
+per machine) is cached under ``~/.cache/tokenloom/kernels``; the directory is
+keyed by the CPU's model and flags because the code is compiled for the host
+(``-march=native``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get("TOKENLOOM_CPU_KERNELS", "1") != "0"
+
+
+def _host_key() -> str:
+    """Identifies the instruction set the build targets."""
+    text = platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        lines = cpuinfo.read_text().splitlines()
+        text += "".join(line for line in lines if line.startswith(("model name", "flags")))[:4096]
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@functools.cache
+def _load() -> Callable[..., None] | None:
+    from torch.utils import cpp_extension
+
+    build_dir = Path.home() / ".cache" / "tokenloom" / "kernels" / _host_key()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(
+            name="tokenloom_cpu",
+            sources=[str(_SOURCE)],
+            extra_cflags=_CFLAGS,
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
+        logger.warning("CPU attention kernel unavailable (%s); using the torch path", e)
+        return None
+    op: Callable[..., None] = torch.ops.tokenloom_cpu.paged_attention
+    return op
+
+
+def paged_attention_op(device: torch.device, dtype: torch.dtype) -> Callable[..., None] | None:
+    """The native paged-attention op for float32 CPU caches, if it can be had."""
+    if device.type != "cpu" or dtype != torch.float32 or not kernels_enabled():
+        return None
+    return _load()
