@@ -1,5 +1,6 @@
 """Native CPU kernels, compiled on first use with torch's C++ extension builder.
 
+``bind_threads_to_cores()`` pins torch's intra-op threads to CPUs.
 ``paged_attention_op()`` returns the ``tokenloom_cpu.paged_attention`` op (see
 ``csrc/paged_attention.cpp``), or None where it cannot be had: no C++ compiler,
 a failed build, or ``TOKENLOOM_CPU_KERNELS=0``. Callers then use the pure-torch
@@ -61,6 +62,20 @@ def _load() -> Callable[..., None] | None:
         return None
     op: Callable[..., None] = torch.ops.tokenloom_cpu.paged_attention
     return op
+
+
+def bind_threads_to_cores() -> list[int] | None:
+    """Pin torch's intra-op worker threads one per allowed CPU, as vLLM's CPU backend
+    does (the calling thread is left free); returns the CPUs used, or None when the
+    kernels are unavailable or there are more threads than CPUs."""
+    if not kernels_enabled() or not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    if threads > len(cpus) or _load() is None:
+        return None
+    torch.ops.tokenloom_cpu.bind_threads(cpus[:threads])
+    return cpus[:threads]
 
 
 def paged_attention_op(device: torch.device, dtype: torch.dtype) -> Callable[..., None] | None:

@@ -25,7 +25,7 @@ from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
 from tokenloom.core.sched.output import SchedulerOutput
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.attention import AttentionMetadata
-from tokenloom.model.cpu_kernels import paged_attention_op
+from tokenloom.model.cpu_kernels import bind_threads_to_cores, paged_attention_op
 from tokenloom.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.loader import load_model
@@ -57,6 +57,7 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         if torch.device(model_config.device).type == "cpu":
             keep_freed_memory()
+            bind_threads_to_cores()
 
         loaded = load_model(model_config)
         self.model = cast(CausalLM, loaded.model)

@@ -22,6 +22,9 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <omp.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -260,9 +263,29 @@ void paged_attention(
   }
 }
 
+// Pins intra-op thread i to cpus[i], except thread 0, the caller: it keeps its
+// affinity so that threads and processes it starts later are not confined to
+// one core. The threads are the OpenMP pool torch's own parallel regions use
+// (same runtime, same team size), so they stop migrating between cores.
+void bind_threads(c10::IntArrayRef cpus) {
+  const int count = static_cast<int>(cpus.size());
+  TORCH_CHECK(count == at::get_num_threads(), "need one cpu per intra-op thread (",
+              at::get_num_threads(), "), got ", count);
+  int failures = 0;
+#pragma omp parallel num_threads(count) reduction(+ : failures)
+  if (omp_get_thread_num() > 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(static_cast<int>(cpus[omp_get_thread_num()]), &set);
+    failures += sched_setaffinity(0, sizeof(set), &set) != 0;
+  }
+  TORCH_CHECK(failures == 0, "sched_setaffinity failed for ", failures, " threads");
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenloom_cpu, m) {
+  m.def("bind_threads(int[] cpus) -> ()", &bind_threads);
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor block_table, Tensor table_rows, Tensor query_start, Tensor query_len, "
