@@ -84,7 +84,6 @@ class NativeBatch:
     query_start: torch.Tensor  # [R] first token in the flat batch
     query_len: torch.Tensor  # [R]
     seq_lens: torch.Tensor  # [R]
-    num_tokens: int
 
 
 @dataclass
@@ -171,7 +170,6 @@ class AttentionMetadata:
                 query_start=columns[1],
                 query_len=columns[2],
                 seq_lens=columns[3],
-                num_tokens=sum(q for _, _, q, _ in native_reqs),
             )
         return cls(
             num_tokens=num_tokens,

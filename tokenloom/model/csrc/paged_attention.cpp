@@ -230,23 +230,22 @@ void paged_attention(
   const int32_t* seqs = seq_lens.data_ptr<int32_t>();
   std::vector<Task> tasks;
   int64_t longest = 0;
+  const int32_t* table = block_table.data_ptr<int32_t>();
   for (int64_t r = 0; r < seq_lens.size(0); ++r) {
     TORCH_CHECK(lens[r] >= 1 && lens[r] <= seqs[r], "request ", r, ": bad query_len/seq_len");
     TORCH_CHECK(starts[r] >= 0 && starts[r] + lens[r] <= num_tokens, "request ", r, ": rows out of q");
     TORCH_CHECK(rows[r] >= 0 && rows[r] < block_table.size(0), "request ", r, ": bad table row");
-    TORCH_CHECK((seqs[r] + block_size - 1) / block_size <= max_blocks, "request ", r,
-                ": seq_len exceeds its block table");
+    const int64_t used_blocks = (seqs[r] + block_size - 1) / block_size;
+    TORCH_CHECK(used_blocks <= max_blocks, "request ", r, ": seq_len exceeds its block table");
+    // Its last token sees the whole context, so these are all the blocks it reads.
+    const int32_t* blocks = table + static_cast<int64_t>(rows[r]) * max_blocks;
+    for (int64_t b = 0; b < used_blocks; ++b) {
+      TORCH_CHECK(blocks[b] >= 0 && blocks[b] < num_blocks, "block id ", blocks[b], " out of range");
+    }
     for (int32_t i = 0; i < lens[r]; ++i) {
       tasks.push_back({static_cast<int32_t>(r), starts[r] + i, seqs[r] - lens[r] + i + 1});
     }
     longest = std::max<int64_t>(longest, seqs[r]);
-  }
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  for (const Task& task : tasks) {
-    const int32_t* blocks = table + static_cast<int64_t>(rows[task.request]) * max_blocks;
-    for (int64_t b = 0; b * block_size < task.visible; ++b) {
-      TORCH_CHECK(blocks[b] >= 0 && blocks[b] < num_blocks, "block id ", blocks[b], " out of range");
-    }
   }
 
   const Problem problem{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
