@@ -19,8 +19,8 @@ from tokenloom.model.attention import (
 )
 from tokenloom.model.cpu_kernels import paged_attention_op
 
-H, HKV, D, BS = 6, 2, 8, 4
-NATIVE_OP = paged_attention_op(torch.device("cpu"), torch.float32)
+H, HKV, D, BS = 6, 2, 32, 4  # D: the smallest head size the native kernel has
+NATIVE_OP = paged_attention_op(torch.device("cpu"), torch.float32, 64)
 PATHS = ["torch", "native"]
 
 

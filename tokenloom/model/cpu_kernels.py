@@ -2,9 +2,11 @@
 
 ``bind_threads_to_cores()`` pins torch's intra-op threads to CPUs.
 ``paged_attention_op()`` returns the ``tokenloom_cpu.paged_attention`` op (see
-``csrc/paged_attention.cpp``), or None where it cannot be had: no C++ compiler,
-a failed build, or ``TOKENLOOM_CPU_KERNELS=0``. Callers then use the pure-torch
-path, which gives the same results more slowly. The build (about a minute, once
+``csrc/paged_attention.cpp``), and ``layer_ops_available()`` says whether the
+fused element-wise layers of ``csrc/layer_ops.cpp`` can be used. Neither can be
+had without a C++ compiler, after a failed build, or with
+``TOKENLOOM_CPU_KERNELS=0``; callers then use the pure-torch path, which gives
+the same results more slowly. The build (about a minute, once
 per machine) is cached under ``~/.cache/tokenloom/kernels``; the directory is
 keyed by the CPU's model and flags because the code is compiled for the host
 (``-march=native``).
@@ -24,8 +26,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "layer_ops.cpp")
+]
+_CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=fast"]
 
 
 def kernels_enabled() -> bool:
@@ -51,14 +55,14 @@ def _load() -> Callable[..., None] | None:
     try:
         cpp_extension.load(
             name="tokenloom_cpu",
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=_CFLAGS,
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,
         )
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
-        logger.warning("CPU attention kernel unavailable (%s); using the torch path", e)
+        logger.warning("native CPU kernels unavailable (%s); using the torch path", e)
         return None
     op: Callable[..., None] = torch.ops.tokenloom_cpu.paged_attention
     return op
@@ -78,8 +82,29 @@ def bind_threads_to_cores() -> list[int] | None:
     return cpus[:threads]
 
 
-def paged_attention_op(device: torch.device, dtype: torch.dtype) -> Callable[..., None] | None:
+# Head sizes the kernel is compiled for (csrc/paged_attention.cpp).
+NATIVE_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+
+
+def paged_attention_op(
+    device: torch.device, dtype: torch.dtype, head_dim: int
+) -> Callable[..., None] | None:
     """The native paged-attention op for float32 CPU caches, if it can be had."""
-    if device.type != "cpu" or dtype != torch.float32 or not kernels_enabled():
+    if (
+        device.type != "cpu"
+        or dtype != torch.float32
+        or head_dim not in NATIVE_HEAD_DIMS
+        or not kernels_enabled()
+    ):
         return None
     return _load()
+
+
+def layer_ops_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.ops.tokenloom_cpu``'s fused layer ops serve this device and dtype."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and kernels_enabled()
+        and _load() is not None
+    )

@@ -17,19 +17,40 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * weight, computed in float32 like the reference models."""
+    """y = x / rms(x) * weight, computed in float32 like the reference models.
+
+    With ``fused_ops`` set (float32 on CPU, see ``CausalLM.use_fused_layer_ops``)
+    it runs the native kernels of ``csrc/layer_ops.cpp``.
+    """
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
+        self.fused_ops = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_ops:
+            out = torch.empty_like(x)
+            torch.ops.tokenloom_cpu.rms_norm(out, x, self.weight, self.eps)
+            return out
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): a sublayer's output joins the residual
+        stream, which is normalized for the next one. The fused kernel reuses the
+        storage of both inputs, which the caller must own."""
+        if self.fused_ops:
+            torch.ops.tokenloom_cpu.add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x + residual
+        return self(residual), residual
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -99,15 +120,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class SiluMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul (and the
+    activation into one native kernel when ``fused_ops`` is set)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.fused_ops = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.fused_ops:
+            act = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
+            torch.ops.tokenloom_cpu.silu_and_mul(act, gate_up)
+            return self.down_proj(act)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

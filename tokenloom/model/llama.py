@@ -40,6 +40,7 @@ class Attention(nn.Module):
             arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias, dtype=dtype
         )
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False, dtype=dtype)
+        self.fused_ops = False  # RoPE by the native kernel (see CausalLM.use_fused_layer_ops)
 
     def forward(
         self,
@@ -51,12 +52,19 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        # Q and K rotate together: one RoPE call over H + Hkv heads.
-        qk = apply_rope(
-            qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin
-        )
-        q = qk[:, : self.num_heads]
-        k = qk[:, self.num_heads :]
+        if self.fused_ops:
+            q = qkv.new_empty(num_tokens, self.num_heads, self.head_dim)
+            k = qkv.new_empty(num_tokens, self.num_kv_heads, self.head_dim)
+            torch.ops.tokenloom_cpu.rotary_qk(
+                q, k, qkv, cos.view(num_tokens, -1), sin.view(num_tokens, -1)
+            )
+        else:
+            # Q and K rotate together: one RoPE call over H + Hkv heads.
+            qk = apply_rope(
+                qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin
+            )
+            q = qk[:, : self.num_heads]
+            k = qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out)
@@ -73,13 +81,24 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous layer's MLP output, not yet added to ``residual`` (the
+        residual stream; None at the first layer, where h is the embedding). Returns
+        this layer's (MLP output, residual stream), so each residual add is fused
+        with the norm that follows it."""
+        if residual is None:
+            residual = h
+            x = self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(h, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
 
 
 class CausalLM(nn.Module):
@@ -114,6 +133,13 @@ class CausalLM(nn.Module):
             self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         )
 
+    def use_fused_layer_ops(self) -> None:
+        """Run RMSNorm (with its residual add), SiLU-and-mul and RoPE through the
+        native CPU kernels (float32 on CPU: ``cpu_kernels.layer_ops_available``)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, SiluMLP, Attention)):
+                module.fused_ops = True
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -125,9 +151,12 @@ class CausalLM(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, attn_metadata)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv_cache, attn_metadata)
+        if residual is None:
+            return self.norm(h)
+        return self.norm.add_and_norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.logits_head is not None:

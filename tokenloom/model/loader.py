@@ -24,6 +24,7 @@ from torch import nn
 
 from tokenloom.config import ModelConfig
 from tokenloom.model.arch_config import ModelArchConfig, load_arch_config
+from tokenloom.model.cpu_kernels import layer_ops_available
 from tokenloom.model.dtype import resolve_dtype
 from tokenloom.model.gguf_loader import iter_gguf_weights
 from tokenloom.model.llama import CausalLM
@@ -112,4 +113,6 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     model.requires_grad_(False)
     if prepacking_available(device, dtype):
         model.prepack_weights()
+    if layer_ops_available(device, dtype):
+        model.use_fused_layer_ops()
     return LoadedModel(model=model, arch=arch, dtype=dtype, device=device, path=path)

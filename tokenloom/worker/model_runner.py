@@ -77,7 +77,7 @@ class ModelRunner:
             vocab_size=self.arch.vocab_size,
             device=self.device,
         )
-        self.native_attention = paged_attention_op(self.device, self.dtype)
+        self.native_attention = paged_attention_op(self.device, self.dtype, self.arch.head_dim)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)
         self.sampler = Sampler(generator)

@@ -33,26 +33,23 @@
 #include <limits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-// e^x for the softmax's x <= 0, branch-free so loops over it vectorize
-// (a libm call would not). Range reduction x = n ln2 + r, |r| <= ln2 / 2, then
-// a degree-6 polynomial for e^r; relative error about 1e-7.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
+using tokenloom::exp_nonpositive;
+using tokenloom::kLanes;
+using tokenloom::lane_sum;
+using tokenloom::load;
+using tokenloom::store;
+using tokenloom::vec;
+
+// Blocks sit anywhere in the cache, so the hardware prefetcher stops at each
+// block's end; the next block's rows are requested while this one is scored.
+inline void prefetch_rows(const float* first, int64_t rows, int64_t row_stride, int64_t row_len) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < row_len; i += 2 * 64 / sizeof(float))
+      __builtin_prefetch(first + r * row_stride + i);
 }
 
 struct Task {
@@ -76,120 +73,201 @@ struct Problem {
   const int32_t* table;
   const int32_t* rows;
   const std::vector<Task>* tasks;
-  int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks, longest;
+  int64_t num_heads, num_kv_heads, group, block_size, max_blocks, longest;
   float scale;
 };
 
-// HEAD_DIM > 0 fixes the head size at compile time so the inner loops unroll
-// into whole vector registers; 0 is the generic fallback.
-constexpr int64_t kTile = 16;  // keys scored together: one vector of scores
-
-// Scores of up to kTile keys of one K block for one query head. K blocks are
-// [Hkv, D, block_size] (see model/kv_cache.py), so row d of the tile holds
-// dimension d of consecutive keys: the dot products become vector FMAs across
-// keys, in four independent accumulators to hide FMA latency.
-template <int64_t HEAD_DIM, int64_t COUNT>
-inline void score_tile(const float* __restrict qh, const float* __restrict kt, int64_t head_dim,
-                       int64_t block_size, int64_t count, float scale, float* __restrict out) {
-  const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
-  const int64_t n = COUNT > 0 ? COUNT : count;
-  float part[4][kTile] = {};
-  int64_t d = 0;
-  for (; d + 4 <= dim; d += 4) {
-    for (int64_t r = 0; r < 4; ++r) {
-      const float qd = qh[d + r];
-      const float* row = kt + (d + r) * block_size;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) part[r][j] += qd * row[j];
+// Scores of 16 consecutive keys for HEADS query heads of one KV group. K blocks
+// are [Hkv, D, block_size] (see model/kv_cache.py): row d of the tile holds
+// dimension d of the 16 keys, so each row load feeds one FMA per head. Two
+// accumulators per head (even and odd d) hide the FMA latency.
+template <int64_t D, int64_t HEADS>
+inline void score_tile(const float* __restrict q, const float* __restrict k_rows, int64_t row_stride,
+                       float* __restrict scores, int64_t scores_stride) {
+  vec acc[HEADS][2];
+  for (int64_t h = 0; h < HEADS; ++h) acc[h][0] = acc[h][1] = vec{};
+#pragma GCC unroll 4
+  for (int64_t d = 0; d < D; d += 2) {
+    const vec k0 = load(k_rows + d * row_stride), k1 = load(k_rows + (d + 1) * row_stride);
+    for (int64_t h = 0; h < HEADS; ++h) {
+      acc[h][0] += k0 * q[h * D + d];
+      acc[h][1] += k1 * q[h * D + d + 1];
     }
   }
-  for (; d < dim; ++d) {
-    const float* row = kt + d * block_size;
-    for (int64_t j = 0; j < n; ++j) part[0][j] += qh[d] * row[j];
-  }
-  for (int64_t j = 0; j < count; ++j) out[j] = (part[0][j] + part[1][j] + part[2][j] + part[3][j]) * scale;
+  for (int64_t h = 0; h < HEADS; ++h) store(scores + h * scores_stride, acc[h][0] + acc[h][1]);
 }
 
-// HEAD_DIM > 0 fixes the head size at compile time so the inner loops unroll
-// into whole vector registers; 0 is the generic fallback.
-template <int64_t HEAD_DIM>
+// out[h] = sum_j weights[h][j] V[j] over the keys of one block, for HEADS query
+// heads of one KV group; each V row load feeds every head. With few
+// accumulators, even and odd keys go to separate sets to hide the FMA latency.
+template <int64_t D, int64_t HEADS>
+struct ValueSum {
+  static constexpr int64_t kChunks = D / kLanes;
+  static constexpr int64_t kSets = HEADS * kChunks <= 8 ? 2 : 1;
+  vec acc[kSets][HEADS][kChunks];
+
+  ValueSum() {
+    for (int64_t s = 0; s < kSets; ++s)
+      for (int64_t h = 0; h < HEADS; ++h)
+        for (int64_t c = 0; c < kChunks; ++c) acc[s][h][c] = vec{};
+  }
+
+  inline void add(const float* __restrict weights, int64_t weights_stride, const float* __restrict v,
+                  int64_t v_stride, int64_t count) {
+    int64_t j = 0;
+    for (; j + kSets <= count; j += kSets) {
+      for (int64_t s = 0; s < kSets; ++s) {
+        const float* row = v + (j + s) * v_stride;
+        vec vj[kChunks];
+        for (int64_t c = 0; c < kChunks; ++c) vj[c] = load(row + c * kLanes);
+        for (int64_t h = 0; h < HEADS; ++h) {
+          const float w = weights[h * weights_stride + j + s];
+          for (int64_t c = 0; c < kChunks; ++c) acc[s][h][c] += vj[c] * w;
+        }
+      }
+    }
+    for (; j < count; ++j) {
+      const float* row = v + j * v_stride;
+      for (int64_t h = 0; h < HEADS; ++h) {
+        const float w = weights[h * weights_stride + j];
+        for (int64_t c = 0; c < kChunks; ++c) acc[0][h][c] += load(row + c * kLanes) * w;
+      }
+    }
+  }
+
+  inline void store_scaled(float* out, const float* inv_denominators) const {
+    for (int64_t h = 0; h < HEADS; ++h) {
+      for (int64_t c = 0; c < kChunks; ++c) {
+        vec total = acc[0][h][c];
+        for (int64_t s = 1; s < kSets; ++s) total += acc[s][h][c];
+        store(out + h * D + c * kLanes, total * inv_denominators[h]);
+      }
+    }
+  }
+};
+
+// Scratch of one thread, sized for the longest context in the batch.
+struct Scratch {
+  std::vector<float> q;       // [H, D] the token's queries, pre-scaled
+  std::vector<float> scores;  // [H, stride] scores, then softmax numerators
+  std::vector<float> inv_denominators;  // [H]
+  std::vector<float> tile;    // [D, 16] keys of a tile that crosses its block's end
+  int64_t stride;
+};
+
+// One query token against one KV group's HEADS heads (starting at `head`).
+template <int64_t D, int64_t HEADS>
+void attend_heads(const Problem& p, const Task& task, int64_t head, Scratch& scratch) {
+  const int64_t n = task.visible, block_size = p.block_size, stride = scratch.stride;
+  const int64_t kv_head = head / p.group;
+  const int32_t* blocks = p.table + static_cast<int64_t>(p.rows[task.request]) * p.max_blocks;
+  const float* q = scratch.q.data() + head * D;
+  float* scores = scratch.scores.data() + head * stride;
+
+  // Scores, one tile of 16 keys at a time. A tile that would run past its block
+  // (block_size not a multiple of 16) is first copied out and zero-padded;
+  // otherwise a tile may cover keys past `n` inside the last block: their
+  // scores are computed and then discarded.
+  const int64_t k_block_stride = p.num_kv_heads * D * block_size;
+  for (int64_t first = 0; first < n; first += block_size) {
+    const float* k_block = p.k_cache + blocks[first / block_size] * k_block_stride +
+                           kv_head * D * block_size;
+    const int64_t in_block = std::min(block_size, n - first);
+    if (first + block_size < n) {
+      prefetch_rows(p.k_cache + blocks[first / block_size + 1] * k_block_stride +
+                        kv_head * D * block_size,
+                    1, 0, D * block_size);
+    }
+    for (int64_t t0 = 0; t0 < in_block; t0 += kLanes) {
+      if (t0 + kLanes <= block_size) {
+        score_tile<D, HEADS>(q, k_block + t0, block_size, scores + first + t0, stride);
+      } else {
+        const int64_t count = std::min(kLanes, in_block - t0);
+        float* tile = scratch.tile.data();
+        std::fill(tile, tile + D * kLanes, 0.0f);
+        for (int64_t d = 0; d < D; ++d)
+          std::copy_n(k_block + d * block_size + t0, count, tile + d * kLanes);
+        score_tile<D, HEADS>(q, tile, kLanes, scores + first + t0, stride);
+      }
+    }
+  }
+
+  // Softmax numerators; lanes past n are cleared so that whole vectors can be summed.
+  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  for (int64_t h = 0; h < HEADS; ++h) {
+    float* s = scores + h * stride;
+    std::fill(s + n, s + padded, -std::numeric_limits<float>::infinity());
+    vec peak_v = load(s);
+    for (int64_t j = kLanes; j < padded; j += kLanes) {
+      const vec x = load(s + j);
+      peak_v = x > peak_v ? x : peak_v;
+    }
+    float peak = peak_v[0];
+    for (int64_t l = 1; l < kLanes; ++l) peak = std::max(peak, peak_v[l]);
+    vec sum_v = vec{};
+    for (int64_t j = 0; j < padded; j += kLanes) {
+      const vec e = exp_nonpositive(load(s + j) - peak);
+      store(s + j, e);
+      sum_v += e;
+    }
+    float sum = lane_sum(sum_v);
+    for (int64_t j = n; j < padded; ++j) sum -= s[j];  // discard the padding lanes
+    std::fill(s + n, s + padded, 0.0f);
+    scratch.inv_denominators[head + h] = 1.0f / sum;
+  }
+
+  // Weighted sum of V. V blocks are [block_size, Hkv, D].
+  const int64_t v_token_stride = p.num_kv_heads * D;
+  ValueSum<D, HEADS> value_sum;
+  for (int64_t first = 0; first < n; first += block_size) {
+    const float* v = p.v_cache + blocks[first / block_size] * block_size * v_token_stride +
+                     kv_head * D;
+    if (first + block_size < n) {
+      prefetch_rows(p.v_cache + blocks[first / block_size + 1] * block_size * v_token_stride +
+                        kv_head * D,
+                    block_size, v_token_stride, D);
+    }
+    value_sum.add(scores + first, stride, v, v_token_stride, std::min(block_size, n - first));
+  }
+  value_sum.store_scaled(p.out + (task.token * p.num_heads + head) * D,
+                         scratch.inv_denominators.data() + head);
+}
+
+// Heads of a KV group are taken together, up to what fits in the registers.
+template <int64_t D>
+void attend(const Problem& p, const Task& task, Scratch& scratch) {
+  constexpr int64_t max_heads = std::max<int64_t>(1, std::min<int64_t>(4, 16 / (D / kLanes)));
+  const float* q = p.q + task.token * p.num_heads * D;
+  for (int64_t i = 0; i < p.num_heads * D; ++i) scratch.q[i] = q[i] * p.scale;
+  for (int64_t g = 0; g < p.num_kv_heads; ++g) {
+    const int64_t end = (g + 1) * p.group;
+    for (int64_t head = g * p.group; head < end; head += max_heads) {
+      switch (std::min(max_heads, end - head)) {
+        case 1: attend_heads<D, 1>(p, task, head, scratch); break;
+        case 2: attend_heads<D, 2>(p, task, head, scratch); break;
+        case 3: attend_heads<D, 3>(p, task, head, scratch); break;
+        default: attend_heads<D, 4>(p, task, head, scratch); break;
+      }
+    }
+  }
+}
+
+// Tasks are handed out dynamically to torch's intra-op threads because context
+// lengths differ widely within a batch.
+template <int64_t D>
 void run(const Problem& p) {
-  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : p.head_dim;
-  const int64_t num_heads = p.num_heads, group = p.group, block_size = p.block_size;
-  const int64_t k_block_stride = p.num_kv_heads * head_dim * block_size;
-  const int64_t v_token_stride = p.num_kv_heads * head_dim;  // V: [blocks, block_size, Hkv, D]
-  const bool whole_tiles = block_size % kTile == 0;
   const std::vector<Task>& tasks = *p.tasks;
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
-
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> scores(num_heads * p.longest);
-    std::vector<float> acc(num_heads * head_dim);
-    std::vector<float> denom(num_heads);
-    for (int64_t t = next++; t < num_tasks; t = next++) {
-      const Task& task = tasks[t];
-      const int64_t n = task.visible;
-      const int32_t* blocks = p.table + static_cast<int64_t>(p.rows[task.request]) * p.max_blocks;
-      const float* q = p.q + task.token * num_heads * head_dim;
-
-      // Scores for every visible key and query head, one K tile at a time.
-      for (int64_t first = 0; first < n; first += block_size) {
-        const float* kb = p.k_cache + blocks[first / block_size] * k_block_stride;
-        const int64_t in_block = std::min(block_size, n - first);
-        for (int64_t t0 = 0; t0 < in_block; t0 += kTile) {
-          const int64_t count = std::min(kTile, in_block - t0);
-          // A whole tile may read keys past `count` (still inside the block,
-          // discarded); a partial one reads exactly `count`.
-          const bool full = whole_tiles || count == kTile;
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const float* kt = kb + (h / group) * head_dim * block_size + t0;
-            float* out = scores.data() + h * n + first + t0;
-            if (full) {
-              score_tile<HEAD_DIM, kTile>(q + h * head_dim, kt, head_dim, block_size, count,
-                                          p.scale, out);
-            } else {
-              score_tile<HEAD_DIM, 0>(q + h * head_dim, kt, head_dim, block_size, count,
-                                      p.scale, out);
-            }
-          }
-        }
-      }
-      // Softmax numerators and denominators.
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* sh = scores.data() + h * n;
-        float peak = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) peak = std::max(peak, sh[j]);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) {
-          sh[j] = exp_nonpositive(sh[j] - peak);
-          sum += sh[j];
-        }
-        denom[h] = sum;
-      }
-      // Weighted sum of V, one head at a time so its accumulator stays in registers.
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float a[HEAD_DIM > 0 ? HEAD_DIM : 1];
-        float* __restrict sum = HEAD_DIM > 0 ? a : acc.data() + h * head_dim;
-        std::fill(sum, sum + head_dim, 0.0f);
-        const float* w = scores.data() + h * n;
-        const int64_t v_head = (h / group) * head_dim;
-        for (int64_t first = 0; first < n; first += block_size) {
-          const float* __restrict v =
-              p.v_cache + blocks[first / block_size] * block_size * v_token_stride + v_head;
-          const int64_t in_block = std::min(block_size, n - first);
-          for (int64_t j = 0; j < in_block; ++j, v += v_token_stride) {
-            const float wj = w[first + j];
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) sum[d] += wj * v[d];
-          }
-        }
-        float* o = p.out + (task.token * num_heads + h) * head_dim;
-        const float inv = 1.0f / denom[h];
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = sum[d] * inv;
-      }
-    }
+    Scratch scratch;
+    // A tile starting at the last key writes kLanes scores.
+    scratch.stride = (p.longest + 2 * kLanes - 1) / kLanes * kLanes;
+    scratch.q.resize(p.num_heads * D);
+    scratch.scores.resize(p.num_heads * scratch.stride);
+    scratch.inv_denominators.resize(p.num_heads);
+    scratch.tile.resize(D * kLanes);
+    for (int64_t t = next++; t < num_tasks; t = next++) attend<D>(p, tasks[t], scratch);
   });
 }
 
@@ -250,7 +328,7 @@ void paged_attention(
 
   const Problem problem{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                         out.data_ptr<float>(), table, rows, &tasks, num_heads, num_kv_heads,
-                        group, head_dim, block_size, max_blocks, longest,
+                        group, block_size, max_blocks, longest,
                         static_cast<float>(scale)};
   switch (head_dim) {
     case 64: run<64>(problem); break;
@@ -258,7 +336,8 @@ void paged_attention(
     case 32: run<32>(problem); break;
     case 96: run<96>(problem); break;
     case 80: run<80>(problem); break;
-    default: run<0>(problem); break;
+    case 256: run<256>(problem); break;
+    default: TORCH_CHECK(false, "head_dim ", head_dim, " has no native kernel");
   }
 }
 

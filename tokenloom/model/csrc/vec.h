@@ -1,0 +1,46 @@
+// Sixteen-float vectors shared by the CPU kernels.
+//
+// GCC's vector extension compiles `vec` to one zmm register with AVX-512 and
+// to pairs of ymm registers with AVX2, so the kernels stay portable yet keep
+// their accumulators in registers.
+#pragma once
+
+#include <cstdint>
+
+namespace tokenloom {
+
+constexpr int64_t kLanes = 16;
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef float vec_unaligned __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline vec load(const float* p) { return *reinterpret_cast<const vec_unaligned*>(p); }
+inline void store(float* p, vec v) { *reinterpret_cast<vec_unaligned*>(p) = v; }
+
+inline float lane_sum(vec v) {
+  float total = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) total += v[l];
+  return total;
+}
+
+// e^x for x <= 0, sixteen lanes at a time. Range reduction x = n ln2 + r,
+// |r| <= ln2 / 2 (n rounded with the 1.5 * 2^23 trick), then a degree-6
+// polynomial for e^r; relative error about 1e-7.
+inline vec exp_nonpositive(vec x) {
+  const vec lowest = vec{} - 87.0f;
+  x = x > lowest ? x : lowest;
+  const vec magic = vec{} + 12582912.0f;
+  const vec n = (x * 1.44269504088896341f + magic) - magic;
+  const vec r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  vec p = vec{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  return p * reinterpret_cast<const vec&>(bits);
+}
+
+}  // namespace tokenloom
