@@ -16,6 +16,7 @@ from tokenloom.model.attention import (
     AttentionMetadata,
     _bucket_by_length,
     paged_attention,
+    write_kv,
 )
 from tokenloom.model.cpu_kernels import paged_attention_op
 
@@ -189,3 +190,30 @@ def test_native_kernel_matches_torch_at_model_shapes(
         meta = AttentionMetadata.build(query_lens, seq_lens, table, slots, block_size, op)
         outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta))
     assert (outs[0] - outs[1]).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_native_write_kv_matches_torch(block_size: int) -> None:
+    if NATIVE_OP is None:
+        pytest.fail("the native CPU attention kernel did not build on this machine")
+    g = torch.Generator().manual_seed(block_size)
+    num_blocks, tokens = 6, 11
+    qkv = torch.randn(tokens, (H + 2 * HKV) * D, generator=g)
+    k = qkv[:, H * D : (H + HKV) * D].view(tokens, HKV, D)  # strided views, as the model's
+    v = qkv[:, (H + HKV) * D :].view(tokens, HKV, D)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    caches = []
+    for native in (False, True):
+        k_cache = torch.zeros(num_blocks, HKV, D, block_size)
+        v_cache = torch.zeros(num_blocks, block_size, HKV, D)
+        if native:
+            torch.ops.tokenloom_cpu.write_kv(k, v, k_cache, v_cache, slots)
+        else:
+            write_kv(k, v, k_cache, v_cache, slots)
+        caches.append((k_cache, v_cache))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert caches[1][1].abs().sum() > 0
+    with pytest.raises(RuntimeError, match="out of range"):
+        bad = slots.clone()
+        bad[3] = num_blocks * block_size
+        torch.ops.tokenloom_cpu.write_kv(k, v, caches[1][0], caches[1][1], bad)

@@ -97,6 +97,9 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     native: NativeBatch | None = None
+    # The native kernels are loaded (a native_op was given): K/V are written by
+    # ``tokenloom_cpu.write_kv`` too.
+    native_kv_write: bool = False
 
     @classmethod
     def build(
@@ -179,6 +182,7 @@ class AttentionMetadata:
             decode_groups=groups,
             prefills=prefills,
             native=native,
+            native_kv_write=native_op is not None,
         )
 
 
@@ -317,7 +321,10 @@ def paged_attention(
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """Attention of the flat batch. q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]."""
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.native_kv_write:
+        torch.ops.tokenloom_cpu.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     groups = meta.decode_groups
     if meta.num_decodes == num_tokens and len(groups) == 1:

@@ -341,6 +341,42 @@ void paged_attention(
   }
 }
 
+// Stores this step's keys and values at their cache slots: k, v [T, Hkv, D]
+// (rows may be strided, e.g. views of the fused QKV output), slot_mapping
+// int64 [T]. K blocks are [Hkv, D, block_size], so a key's dimensions go to
+// column `slot % block_size`; V blocks are [block_size, Hkv, D].
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slot_mapping) {
+  check_input(k_cache, "k_cache", at::kFloat, 4);
+  check_input(v_cache, "v_cache", at::kFloat, 4);
+  check_input(slot_mapping, "slot_mapping", at::kLong, 1);
+  const int64_t tokens = slot_mapping.size(0), num_blocks = v_cache.size(0);
+  const int64_t block_size = v_cache.size(1), num_kv_heads = v_cache.size(2), head_dim = v_cache.size(3);
+  for (const at::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == tokens &&
+                    t->size(1) == num_kv_heads && t->size(2) == head_dim,
+                "k and v must be float32 [", tokens, ", ", num_kv_heads, ", ", head_dim, "]");
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == head_dim, "k and v rows must be dense");
+  }
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_blocks * block_size, "slot ", slots[t], " out of range");
+  }
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t row = num_kv_heads * head_dim, ks = k.stride(0), vs = v.stride(0);
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+      std::memcpy(vc + slots[t] * row, vp + t * vs, row * sizeof(float));
+      float* k_block = kc + block * row * block_size + offset;
+      for (int64_t i = 0; i < row; ++i) k_block[i * block_size] = kp[t * ks + i];
+    }
+  });
+}
+
 // Pins intra-op thread i to cpus[i], except thread 0, the caller: it keeps its
 // affinity so that threads and processes it starts later are not confined to
 // one core. The threads are the OpenMP pool torch's own parallel regions use
@@ -369,4 +405,8 @@ TORCH_LIBRARY(tokenloom_cpu, m) {
       "Tensor block_table, Tensor table_rows, Tensor query_start, Tensor query_len, "
       "Tensor seq_lens, float scale) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+  m.def(
+      "write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) "
+      "-> ()");
+  m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
 }
