@@ -16,14 +16,8 @@
 
 #include "vec.h"
 
+namespace tokenloom {
 namespace {
-
-using tokenloom::exp_nonpositive;
-using tokenloom::kLanes;
-using tokenloom::lane_sum;
-using tokenloom::load;
-using tokenloom::store;
-using tokenloom::vec;
 
 constexpr int64_t kMinFloatsPerThread = 16384;
 
@@ -168,14 +162,15 @@ void rotary_qk(at::Tensor q_out, at::Tensor k_out, const at::Tensor& qkv, const 
 }
 
 }  // namespace
+}  // namespace tokenloom
 
 TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("rotary_qk(Tensor(a!) q_out, Tensor(b!) k_out, Tensor qkv, Tensor cos, Tensor sin) -> ()");
-  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
-  m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
-  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
-  m.impl("rotary_qk", c10::DispatchKey::CPU, &rotary_qk);
+  m.impl("rms_norm", c10::DispatchKey::CPU, &tokenloom::rms_norm);
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, &tokenloom::add_rms_norm);
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &tokenloom::silu_and_mul);
+  m.impl("rotary_qk", c10::DispatchKey::CPU, &tokenloom::rotary_qk);
 }

@@ -35,14 +35,8 @@
 
 #include "vec.h"
 
+namespace tokenloom {
 namespace {
-
-using tokenloom::exp_nonpositive;
-using tokenloom::kLanes;
-using tokenloom::lane_sum;
-using tokenloom::load;
-using tokenloom::store;
-using tokenloom::vec;
 
 // Blocks sit anywhere in the cache, so the hardware prefetcher stops at each
 // block's end; the next block's rows are requested while this one is scored.
@@ -397,16 +391,17 @@ void bind_threads(c10::IntArrayRef cpus) {
 }
 
 }  // namespace
+}  // namespace tokenloom
 
 TORCH_LIBRARY(tokenloom_cpu, m) {
-  m.def("bind_threads(int[] cpus) -> ()", &bind_threads);
+  m.def("bind_threads(int[] cpus) -> ()", &tokenloom::bind_threads);
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor block_table, Tensor table_rows, Tensor query_start, Tensor query_len, "
       "Tensor seq_lens, float scale) -> ()");
-  m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+  m.impl("paged_attention", c10::DispatchKey::CPU, &tokenloom::paged_attention);
   m.def(
       "write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) "
       "-> ()");
-  m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
+  m.impl("write_kv", c10::DispatchKey::CPU, &tokenloom::write_kv);
 }
