@@ -1,10 +1,12 @@
-// Paged attention for short queries (decodes, short prompt chunks) on CPU.
+// Paged attention for short queries (decodes, short prompt chunks) on CPU,
+// plus the KV-cache write that precedes it.
 //
 // Reads each request's K/V in place through its block table: nothing is
-// gathered or padded. One task is one (query token, KV head) pair; it scores
-// the token's visible context for the query heads of that KV group, applies a
-// softmax and sums V. Tasks are handed out dynamically to torch's intra-op
-// threads because context lengths differ widely within a batch.
+// gathered or padded. One task is one query token; for each KV group it scores
+// the token's visible context for that group's query heads together (one K/V
+// load feeds every head), applies a softmax and sums V. Tasks are handed out
+// dynamically to torch's intra-op threads because context lengths differ
+// widely within a batch. Head sizes are compiled in (see `paged_attention`).
 //
 // Layouts (float32, contiguous):
 //   out, q          [T, H, D]             flat batch of query tokens
