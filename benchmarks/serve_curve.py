@@ -18,27 +18,12 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with status {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"server at {base_url} not healthy after {timeout_s:.0f} s")
+sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+from _common import wait_healthy  # noqa: E402  (stdlib-only helpers of the peer workers)
 
 
 def run_level(args: argparse.Namespace, base_url: str, concurrency: int) -> dict[str, Any]:

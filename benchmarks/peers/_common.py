@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,24 @@ import psutil
 
 # The same untimed warm-up for every engine: 4 prompts of 32 tokens, 8 tokens out.
 WARMUP = [{"prompt_token_ids": [100 + i + j for j in range(32)], "max_tokens": 8} for i in range(4)]
+
+
+def wait_healthy(
+    base_url: str, proc: subprocess.Popen, name: str = "server", timeout_s: float = 300.0
+) -> None:
+    """Poll ``{base_url}/health`` until it answers 200; fail if ``proc`` exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:  # refused, reset or timed out while it starts
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{name} at {base_url} not healthy after {timeout_s:.0f} s")
 
 
 def load_workload(path: str) -> list[dict[str, Any]]:

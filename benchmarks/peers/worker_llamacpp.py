@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import run_all, worker_args  # noqa: E402
+from _common import run_all, wait_healthy, worker_args  # noqa: E402
 
 
 def free_port() -> int:
@@ -36,21 +36,6 @@ def post(url: str, body: dict, timeout: float = 3600.0) -> dict:
     )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
-
-
-def wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
-    t_end = time.time() + timeout
-    while time.time() < t_end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("llama-server did not become healthy")
 
 
 def main() -> None:
@@ -70,7 +55,7 @@ def main() -> None:
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_healthy(base, proc)
+        wait_healthy(base, proc, "llama-server")
         load_s = time.perf_counter() - t0
 
         def one(r: dict) -> int:
