@@ -47,7 +47,8 @@ def _host_key() -> str:
 
 
 @functools.cache
-def _load() -> Callable[..., None] | None:
+def _load() -> bool:
+    """Build (or reuse) and load the extension once per process; False if it fails."""
     from torch.utils import cpp_extension
 
     build_dir = Path.home() / ".cache" / "tokenloom" / "kernels" / _host_key()
@@ -63,9 +64,8 @@ def _load() -> Callable[..., None] | None:
         )
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
         logger.warning("native CPU kernels unavailable (%s); using the torch path", e)
-        return None
-    op: Callable[..., None] = torch.ops.tokenloom_cpu.paged_attention
-    return op
+        return False
+    return True
 
 
 def bind_threads_to_cores() -> list[int] | None:
@@ -76,7 +76,7 @@ def bind_threads_to_cores() -> list[int] | None:
         return None
     cpus = sorted(os.sched_getaffinity(0))
     threads = torch.get_num_threads()
-    if threads > len(cpus) or _load() is None:
+    if threads > len(cpus) or not _load():
         return None
     torch.ops.tokenloom_cpu.bind_threads(cpus[:threads])
     return cpus[:threads]
@@ -86,25 +86,17 @@ def bind_threads_to_cores() -> list[int] | None:
 NATIVE_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 
 
+def layer_ops_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the native kernels (``torch.ops.tokenloom_cpu``) serve this device and
+    dtype: float32 on CPU, kernels enabled and built."""
+    return device.type == "cpu" and dtype == torch.float32 and kernels_enabled() and _load()
+
+
 def paged_attention_op(
     device: torch.device, dtype: torch.dtype, head_dim: int
 ) -> Callable[..., None] | None:
     """The native paged-attention op for float32 CPU caches, if it can be had."""
-    if (
-        device.type != "cpu"
-        or dtype != torch.float32
-        or head_dim not in NATIVE_HEAD_DIMS
-        or not kernels_enabled()
-    ):
+    if head_dim not in NATIVE_HEAD_DIMS or not layer_ops_available(device, dtype):
         return None
-    return _load()
-
-
-def layer_ops_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch.ops.tokenloom_cpu``'s fused layer ops serve this device and dtype."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and kernels_enabled()
-        and _load() is not None
-    )
+    op: Callable[..., None] = torch.ops.tokenloom_cpu.paged_attention
+    return op
