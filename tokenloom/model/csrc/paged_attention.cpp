@@ -146,7 +146,6 @@ struct ValueSum {
 struct Scratch {
   std::vector<float> q;       // [H, D] the token's queries, pre-scaled
   std::vector<float> scores;  // [H, stride] scores, then softmax numerators
-  std::vector<float> inv_denominators;  // [H]
   std::vector<float> tile;    // [D, 16] keys of a tile that crosses its block's end
   int64_t stride;
 };
@@ -190,6 +189,7 @@ void attend_heads(const Problem& p, const Task& task, int64_t head, Scratch& scr
 
   // Softmax numerators; lanes past n are cleared so that whole vectors can be summed.
   const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  float inv_denominators[HEADS];
   for (int64_t h = 0; h < HEADS; ++h) {
     float* s = scores + h * stride;
     std::fill(s + n, s + padded, -std::numeric_limits<float>::infinity());
@@ -209,7 +209,7 @@ void attend_heads(const Problem& p, const Task& task, int64_t head, Scratch& scr
     float sum = lane_sum(sum_v);
     for (int64_t j = n; j < padded; ++j) sum -= s[j];  // discard the padding lanes
     std::fill(s + n, s + padded, 0.0f);
-    scratch.inv_denominators[head + h] = 1.0f / sum;
+    inv_denominators[h] = 1.0f / sum;
   }
 
   // Weighted sum of V. V blocks are [block_size, Hkv, D].
@@ -225,8 +225,7 @@ void attend_heads(const Problem& p, const Task& task, int64_t head, Scratch& scr
     }
     value_sum.add(scores + first, stride, v, v_token_stride, std::min(block_size, n - first));
   }
-  value_sum.store_scaled(p.out + (task.token * p.num_heads + head) * D,
-                         scratch.inv_denominators.data() + head);
+  value_sum.store_scaled(p.out + (task.token * p.num_heads + head) * D, inv_denominators);
 }
 
 // Heads of a KV group are taken together, up to what fits in the registers.
@@ -261,7 +260,6 @@ void run(const Problem& p) {
     scratch.stride = (p.longest + 2 * kLanes - 1) / kLanes * kLanes;
     scratch.q.resize(p.num_heads * D);
     scratch.scores.resize(p.num_heads * scratch.stride);
-    scratch.inv_denominators.resize(p.num_heads);
     scratch.tile.resize(D * kLanes);
     for (int64_t t = next++; t < num_tasks; t = next++) attend<D>(p, tasks[t], scratch);
   });
