@@ -1,0 +1,99 @@
+"""What the HTTP server needs from an engine: the ``EngineClient`` protocol.
+
+``AsyncLLM`` implements it; tests implement it with a fake engine. The server
+depends on this protocol only, so nothing in the front end duck-types around
+a particular implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tokenloom.engine.exceptions import EngineDeadError
+from tokenloom.outputs import RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from tokenloom.metrics.stats import StatLogger
+
+# A prompt: text, or token ids (for example a chat already rendered by ``render_chat``).
+PromptType = str | list[int]
+
+
+@dataclass
+class ChatOptions:
+    """How to render a conversation with the chat template (OpenAI/vLLM request fields).
+
+    ``chat_template`` overrides the engine's default template (the server's
+    ``--chat-template``, else the model's own); ``chat_template_kwargs`` become
+    extra template variables.
+    """
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RenderedChat:
+    """A conversation rendered by the chat template: its text and prompt token ids."""
+
+    text: str
+    token_ids: list[int]
+
+
+class EngineClient(Protocol):
+    """An asyncio engine serving many concurrent ``generate`` streams."""
+
+    model_name: str
+    max_model_len: int
+    tokenizer: PreTrainedTokenizerBase
+    stat_loggers: list[StatLogger]
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine core is gone; nothing more will run."""
+        ...
+
+    @property
+    def dead_error(self) -> EngineDeadError: ...
+
+    async def check_health(self) -> None:
+        """Raise ``EngineDeadError`` when the engine cannot serve."""
+        ...
+
+    async def render_chat(
+        self, messages: list[dict[str, Any]], options: ChatOptions
+    ) -> RenderedChat:
+        """Apply the chat template off the event loop.
+
+        Raises ``ValueError`` whose message starts with the offending field
+        (``messages``, ``chat_template`` or ``chat_template_kwargs``).
+        """
+        ...
+
+    def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        delta: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; the last has ``finished=True``.
+
+        Tokenization and validation run off the event loop. Raises ``ValueError``
+        (naming the field) for an invalid request, ``EngineDeadError`` when the
+        engine dies. Closing the iterator early aborts the request.
+        """
+        ...
+
+    async def abort(self, request_id: str | Iterable[str]) -> None: ...
+
+    def shutdown(self) -> None: ...
