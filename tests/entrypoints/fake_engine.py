@@ -1,50 +1,54 @@
-"""A model-free stand-in for AsyncLLM, so the HTTP layer can be tested in milliseconds.
+"""A model-free ``EngineClient``, so the HTTP layer can be tested in milliseconds.
 
 The tokenizer maps each character to its code point. The engine "generates"
-the prompt's last character's successors (a, b, c, ...), one per step, and
-reports logprobs that make the sampled token the most likely one.
+the successors of "a" (a, b, c, ...), one per step, and reports logprobs that
+make the sampled token the most likely one. Requests are validated the way
+AsyncLLM validates them (vocabulary, context length, --max-logprobs), with
+ValueErrors that start with the field's name, and chats are rendered with a
+real Jinja template.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from tokenloom.engine.exceptions import EngineDeadError
+from tokenloom.engine.protocol import ChatOptions, RenderedChat
+from tokenloom.metrics.stats import StatLogger
 from tokenloom.outputs import CompletionOutput, RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
+VOCAB_SIZE = 0x110000
+DEFAULT_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
 
 class CharTokenizer:
-    chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    chat_template = DEFAULT_TEMPLATE
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
     def decode(self, ids: list[int]) -> str:
-        return "".join(chr(i) for i in ids)
-
-    def apply_chat_template(
-        self,
-        conversation: list[dict[str, Any]],
-        tokenize: bool = False,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-    ) -> str:
-        for message in conversation:
-            if message["role"] not in ("system", "user", "assistant"):
-                raise ValueError(f"unknown role {message['role']}")
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation)
-        return text + ("assistant:" if add_generation_prompt else "")
+        # Surrogate code points decode to U+FFFD, as a byte-level decoder would.
+        return "".join("\ufffd" if 0xD800 <= i < 0xE000 else chr(i) for i in ids)
 
 
 class FakeAsyncLLM:
     model_name = "fake-model"
     max_model_len = 64
+    max_logprobs = 20
 
     def __init__(self, step_delay: float = 0.0) -> None:
         self.tokenizer = CharTokenizer()
+        self.stat_loggers: list[StatLogger] = []
         self.step_delay = step_delay
         self.errored = False
         self.num_waiting_requests = 0
@@ -52,12 +56,67 @@ class FakeAsyncLLM:
         self.started: list[str] = []
         self.closed: list[str] = []
         self.finished: list[str] = []
+        self.aborted: list[str] = []
         self.params: list[SamplingParams] = []
         self.prompts: list[list[int]] = []
+        self.rendered: list[RenderedChat] = []
+        self.conversations: list[list[dict[str, Any]]] = []
+        self.chat_options: list[ChatOptions] = []
+        self._jinja = ImmutableSandboxedEnvironment()
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        return EngineDeadError()
 
     async def check_health(self) -> None:
         if self.errored:
             raise EngineDeadError()
+
+    async def render_chat(
+        self, messages: list[dict[str, Any]], options: ChatOptions
+    ) -> RenderedChat:
+        if self.errored:
+            raise EngineDeadError()
+        source = options.chat_template or self.tokenizer.chat_template
+        try:
+            template = self._jinja.from_string(source)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat_template is not a valid template: {exc}") from exc
+        reserved = {"messages", "add_generation_prompt"} & set(options.chat_template_kwargs)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs must not set {sorted(reserved)}")
+        try:
+            text = template.render(
+                messages=messages,
+                add_generation_prompt=options.add_generation_prompt,
+                **options.chat_template_kwargs,
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"messages could not be rendered: {exc}") from exc
+        rendered = RenderedChat(text, self.tokenizer.encode(text))
+        self.rendered.append(rendered)
+        self.conversations.append(messages)
+        self.chat_options.append(options)
+        return rendered
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        self.aborted += [request_id] if isinstance(request_id, str) else list(request_id)
+
+    def shutdown(self) -> None:
+        pass
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        bad = next((t for t in ids if not 0 <= t < VOCAB_SIZE), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {VOCAB_SIZE})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens, longer than {self.max_model_len}")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt + max_tokens exceeds {self.max_model_len} tokens")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(f"logprobs must be at most {self.max_logprobs} (--max-logprobs)")
 
     async def generate(
         self,
@@ -71,15 +130,12 @@ class FakeAsyncLLM:
         if self.errored:
             raise EngineDeadError()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens, longer than {self.max_model_len}")
+        self._validate(ids, sampling_params)
         self.started.append(request_id)
         self.prompts.append(ids)
         self.params.append(sampling_params)
         self.num_running_requests += 1
-        max_tokens = sampling_params.max_tokens or 8
+        max_tokens = sampling_params.max_tokens or self.max_model_len - len(ids)
         texts = [""] * sampling_params.n
         tokens: list[list[int]] = [[] for _ in range(sampling_params.n)]
         history: list[list[dict[int, float]]] = [[] for _ in range(sampling_params.n)]

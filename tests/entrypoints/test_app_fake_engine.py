@@ -163,7 +163,7 @@ async def test_completion_bad_inputs(
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
-        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"messages": []}, "messages"),
     ],
 )
@@ -300,3 +300,78 @@ async def test_streamed_batch_interleaves_prompts(client: httpx.AsyncClient) -> 
             finished[choice["index"]] = choice["finish_reason"]
     assert texts == {0: "xabc", 1: "xbcd", 2: "yyabc", 3: "yybcd"}
     assert finished == {i: "length" for i in range(4)}
+
+
+# ------------------------------------------------------------------ chat rendering
+
+
+async def test_chat_options_come_from_the_request(
+    client: httpx.AsyncClient, engine: FakeAsyncLLM
+) -> None:
+    r = await client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "I"}],
+            "max_tokens": 1,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+    )
+    assert r.status_code == 200, r.text
+    [options] = engine.chat_options
+    assert options.add_generation_prompt is False and options.continue_final_message is True
+    assert options.chat_template is None
+    assert options.chat_template_kwargs == {"enable_thinking": False}
+    assert r.json()["usage"]["prompt_tokens"] == len("user: hi\nassistant: I\n")
+
+
+async def test_messages_keep_their_extra_keys(
+    client: httpx.AsyncClient, engine: FakeAsyncLLM
+) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "f"},
+    ]
+    r = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    [conversation] = engine.conversations
+    assert conversation[0] == {"role": "user", "content": "ab"}
+    assert conversation[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert conversation[2] == {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "f"}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"chat_template": "{{ messages }}"}, {"chat_template_kwargs": {"chat_template": "x"}}],
+)
+async def test_request_chat_template_needs_trust(
+    client: httpx.AsyncClient, engine: FakeAsyncLLM, fields: dict[str, Any]
+) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], **fields}
+    error = assert_error(
+        await client.post("/v1/chat/completions", json=body), 400, next(iter(fields))
+    )
+    assert "--trust-request-chat-template" in error["message"]
+    assert engine.rendered == []
+
+
+async def test_trusted_request_chat_template_is_used() -> None:
+    engine = FakeAsyncLLM()
+    app = build_app(engine, trust_request_chat_template=True)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        template = "{% for m in messages %}<{{ m.content }}>{% endfor %}"
+        r = await client.post("/v1/chat/completions", json={**body, "chat_template": template})
+        assert r.status_code == 200, r.text
+        assert engine.rendered[-1].text == "<hi>"
+        # The engine's ValueErrors name the field they blame.
+        broken = {**body, "chat_template": "{% for %}"}
+        assert_error(await client.post("/v1/chat/completions", json=broken), 400, "chat_template")
+        reserved = {**body, "chat_template_kwargs": {"messages": []}}
+        r = await client.post("/v1/chat/completions", json=reserved)
+        assert_error(r, 400, "chat_template_kwargs")
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200

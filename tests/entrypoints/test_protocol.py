@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from pydantic import ValidationError
 
@@ -12,6 +14,7 @@ from tokenloom.entrypoints.openai.errors import (
 )
 from tokenloom.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tokenloom.entrypoints.openai.serving_base import SAMPLING_FIELDS
+from tokenloom.sampling_params import SamplingParams
 
 
 def test_completion_request_maps_every_sampling_field() -> None:
@@ -131,4 +134,75 @@ def test_validation_error_names_the_field() -> None:
     assert body["code"] == 400 and body["type"] == "BadRequestError" and body["param"] == "stop"
     with pytest.raises(ValidationError) as info:
         ChatCompletionRequest.model_validate({"messages": [{"content": "no role"}]})
-    assert from_validation_error(info.value).param == "messages[0]"
+    assert from_validation_error(info.value).param == "messages[0].role"
+
+
+# ---------------------------------------------- SamplingParams at the edges of its ranges
+
+
+@pytest.mark.parametrize("seed", [-(2**63), 0, 2**63, 2**64 - 1])
+def test_seed_takes_any_64_bit_value(seed: int) -> None:
+    assert SamplingParams(seed=seed).seed == seed
+
+
+@pytest.mark.parametrize("seed", [-(2**63) - 1, 2**64, 10**100, 1.5, True])
+def test_seed_outside_64_bits_is_refused(seed: object) -> None:
+    with pytest.raises(ValueError, match=r"^seed "):
+        SamplingParams(seed=seed)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ],
+)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_floats_are_refused(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=rf"^{field} "):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", 2**63),
+        ("min_tokens", 2**63),
+        ("top_k", 2**63),
+        ("n", 2**63),
+        ("logprobs", 2**63),
+        ("stop_token_ids", [2**63]),
+        ("temperature", 10**400),  # an int beyond the float range
+    ],
+)
+def test_integers_must_fit_64_bits(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"^{field} "):
+        SamplingParams(**{field: value})
+
+
+def test_huge_but_finite_values_within_range_are_kept() -> None:
+    params = SamplingParams(max_tokens=2**63 - 1, temperature=1e300, top_k=2**63 - 1)
+    assert params.max_tokens == 2**63 - 1 and params.temperature == 1e300
+
+
+def test_dead_helpers_are_gone() -> None:
+    assert not hasattr(SamplingParams, "greedy")
+    assert not hasattr(SamplingParams, "top_k_enabled")
+
+
+def test_n_above_128_is_refused_by_the_api_not_by_sampling_params() -> None:
+    assert SamplingParams(n=1000).n == 1000  # offline users may ask for more
+    with pytest.raises(OpenAIError) as info:
+        CompletionRequest(prompt="x", n=129).to_sampling_params()
+    assert info.value.param == "n"
+
+
+def test_float_fields_are_stored_as_floats() -> None:
+    params = SamplingParams(temperature=10**30, top_p=1, repetition_penalty=2)
+    assert type(params.temperature) is float and params.temperature == 1e30
+    assert type(params.top_p) is float and type(params.repetition_penalty) is float

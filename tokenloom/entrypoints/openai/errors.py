@@ -16,12 +16,14 @@ from pydantic import ValidationError
 _ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
+    413: "RequestTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 
 # SamplingParams and config messages start with the field name ("top_p must be ...").
 _LEADING_FIELD = re.compile(r"^([a-z_][a-z0-9_]*)\b")
+_SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 class OpenAIError(Exception):
@@ -44,7 +46,20 @@ def error_body(message: str, param: str | None, status: int) -> dict[str, dict[s
     err_type = _ERROR_TYPES.get(
         status, "BadRequestError" if status < 500 else "InternalServerError"
     )
-    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    if param is not None:
+        param = _printable(param)
+    error: dict[str, object] = {
+        "message": _printable(message),
+        "type": err_type,
+        "param": param,
+        "code": status,
+    }
+    return {"error": error}
+
+
+def _printable(text: str) -> str:
+    """``text`` without lone surrogates, which a request can smuggle in and UTF-8 cannot encode."""
+    return text if text.isascii() else _SURROGATES.sub("\ufffd", text)
 
 
 def from_value_error(
@@ -79,9 +94,23 @@ def from_validation_error(exc: ValidationError) -> OpenAIError:
 
 
 def _loc_to_param(loc: tuple[int | str, ...]) -> str | None:
-    if not loc:
-        return None
-    param = str(loc[0])
-    if len(loc) > 1 and isinstance(loc[1], int):
-        param += f"[{loc[1]}]"
-    return param
+    """``("messages", 0, "role")`` -> ``"messages[0].role"``.
+
+    pydantic puts union members into locations (``"str"``, ``"list[int]"``,
+    ``"TextContentPart"``); the path stops there, as they are not request fields.
+    """
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            if not param:
+                break
+            param += f"[{part}]"
+        elif _FIELD_NAME.fullmatch(part) and part not in _TYPE_NAMES:
+            param += f".{part}" if param else part
+        else:
+            break
+    return param or None
+
+
+_FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "none", "list", "dict", "literal"})

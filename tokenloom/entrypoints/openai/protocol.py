@@ -19,11 +19,25 @@ from pydantic import (
     model_serializer,
 )
 
+from tokenloom.engine.protocol import ChatOptions
 from tokenloom.sampling_params import SamplingParams
 
 from .errors import OpenAIError
 
 # ---------------------------------------------------------------- requests
+
+
+# OpenAI's limits, which vLLM follows too.
+MAX_N = 128
+MAX_CHAT_TOP_LOGPROBS = 20
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _documented(default: Any = None, **bounds: Any) -> Any:
+    """A field whose allowed range is published in the schema but checked by
+    ``SamplingParams``, so the server and the offline API share one message."""
+    return Field(default, json_schema_extra=bounds)
 
 
 class StreamOptions(BaseModel):
@@ -37,26 +51,26 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    n: int = _documented(1, minimum=1, maximum=MAX_N)
+    temperature: float | None = _documented(minimum=0)
+    top_p: float | None = _documented(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = _documented(minimum=-1, maximum=INT64_MAX)
+    min_p: float | None = _documented(minimum=0, maximum=1)
+    seed: int | None = _documented(minimum=INT64_MIN, maximum=2**64 - 1)
+    presence_penalty: float | None = _documented(minimum=-2, maximum=2)
+    frequency_penalty: float | None = _documented(minimum=-2, maximum=2)
+    repetition_penalty: float | None = _documented(exclusiveMinimum=0)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = _documented(0, minimum=0, maximum=INT64_MAX)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int = 0
+    priority: int = _documented(0, minimum=INT64_MIN, maximum=INT64_MAX)
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -69,6 +83,10 @@ class _SamplingRequest(BaseModel):
             raise OpenAIError(
                 "stream_options is only allowed when stream is true", "stream_options"
             )
+        if self.n > MAX_N:
+            raise OpenAIError(f"n must be at most {MAX_N}, got {self.n}", param="n")
+        if not INT64_MIN <= self.priority <= INT64_MAX:
+            raise OpenAIError("priority must be a 64-bit integer", param="priority")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Build SamplingParams; its ValueError (naming the field) propagates."""
@@ -104,8 +122,9 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions. ``prompt`` may be text, token ids, or a batch of either."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: int | None = _documented(16, minimum=1, maximum=INT64_MAX)
+    # Capped by the engine's --max-logprobs.
+    logprobs: int | None = _documented(minimum=0)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -142,12 +161,19 @@ class TextContentPart(BaseModel):
     text: str
 
 
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+
 class ChatMessage(BaseModel):
-    """An input message. Content parts other than text are refused."""
+    """An input message. Content parts other than text are refused.
+
+    Other keys (``tool_calls``, ``tool_call_id``, ...) are kept and reach the
+    chat template, which decides what to make of them.
+    """
 
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: ChatRole
     content: str | list[TextContentPart] | None = None
     name: str | None = None
 
@@ -155,7 +181,8 @@ class ChatMessage(BaseModel):
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = dict(self.model_extra or {})
+        message.update(role=self.role, content=content or "")
         if self.name is not None:
             message["name"] = self.name
         return message
@@ -168,13 +195,15 @@ class ResponseFormat(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions. ``max_completion_tokens`` wins over ``max_tokens``."""
 
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = _documented(minimum=1, maximum=INT64_MAX)
+    max_completion_tokens: int | None = _documented(minimum=1, maximum=INT64_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _documented(minimum=0, maximum=MAX_CHAT_TOP_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: ResponseFormat | None = None
 
@@ -193,6 +222,11 @@ class ChatCompletionRequest(_SamplingRequest):
             raise OpenAIError("only response_format type 'text' is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_CHAT_TOP_LOGPROBS:
+            raise OpenAIError(
+                f"top_logprobs must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got {self.top_logprobs}",
+                param="top_logprobs",
+            )
         if self.add_generation_prompt and self.continue_final_message:
             raise OpenAIError(
                 "add_generation_prompt and continue_final_message cannot both be true",
@@ -205,6 +239,14 @@ class ChatCompletionRequest(_SamplingRequest):
         )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template=self.chat_template,
+            chat_template_kwargs=dict(self.chat_template_kwargs or {}),
+        )
 
 
 # --------------------------------------------------------------- responses
@@ -334,6 +376,19 @@ class ModelCard(BaseModel):
     owned_by: str = "tokenloom"
     root: str | None = None
     max_model_len: int | None = None
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx answer: ``param`` names the offending request field, if any."""
+
+    error: ErrorInfo
 
 
 class ModelList(BaseModel):

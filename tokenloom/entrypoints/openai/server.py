@@ -11,30 +11,44 @@ import argparse
 import asyncio
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tokenloom
+from tokenloom.default_model import DEFAULT_MODEL_NAME
 from tokenloom.engine.exceptions import EngineDeadError
+from tokenloom.engine.protocol import EngineClient
 from tokenloom.metrics.prometheus import PrometheusStatLogger
 
 from .errors import OpenAIError, error_body
-from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from .serving_base import ClientDisconnected, OpenAIServing, parse_body
+from .openapi import generation_responses, install_openapi, json_body
+from .protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from .serving_base import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    ClientDisconnected,
+    OpenAIServing,
+    parse_body,
+)
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 
-if TYPE_CHECKING:
-    from tokenloom.engine.async_llm import AsyncLLM
-
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 HEALTH_TIMEOUT_S = 5.0
 
 
@@ -47,45 +61,60 @@ def default_served_model_name(model: str | None) -> str:
 
 
 def build_app(
-    engine: AsyncLLM,
+    engine: EngineClient,
     *,
     served_model_name: str | None = None,
     max_waiting_requests: int | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    trust_request_chat_template: bool = False,
     registry: CollectorRegistry | None = None,
 ) -> FastAPI:
     """An app serving ``engine`` under ``served_model_name`` (default: the engine's name).
 
-    ``/metrics`` exposes ``registry``. Without one, a fresh registry is made and
-    a ``PrometheusStatLogger`` writing to it joins ``engine.stat_loggers``;
+    Request bodies above ``max_request_bytes`` get 413. ``/metrics`` exposes
+    ``registry``. Without one, a fresh registry is made and a
+    ``PrometheusStatLogger`` writing to it joins ``engine.stat_loggers``;
     pass a registry only if such a logger is already attached.
     """
     model_name = served_model_name or engine.model_name
     serving = OpenAIServing(engine, model_name, max_waiting_requests)
     completions = OpenAIServingCompletion(serving)
-    chat = OpenAIServingChat(serving)
+    chat = OpenAIServingChat(serving, trust_request_chat_template)
     if registry is None:
         registry = CollectorRegistry()
-        stat_loggers = getattr(engine, "stat_loggers", None)
-        if stat_loggers is not None:
-            stat_loggers.append(PrometheusStatLogger(model_name, registry, engine.max_model_len))
+        engine.stat_loggers.append(PrometheusStatLogger(model_name, registry, engine.max_model_len))
     metrics_registry = registry
 
     app = FastAPI(title="tokenloom", version=tokenloom.__version__)
     app.state.serving = serving
     app.state.registry = metrics_registry
     _add_error_handlers(app)
+    install_openapi(
+        app,
+        [CompletionRequest, ChatCompletionRequest],
+        [CompletionChunk, ChatCompletionChunk],
+        sorted({model_name, engine.model_name}),
+    )
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        openapi_extra=json_body(CompletionRequest),
+        responses=generation_responses(CompletionResponse, CompletionChunk),
+    )
     async def create_completion(raw_request: Request) -> Response:
-        request = await parse_body(raw_request, CompletionRequest)
+        request = await parse_body(raw_request, CompletionRequest, max_request_bytes)
         return await completions.create(request, raw_request)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=json_body(ChatCompletionRequest),
+        responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk),
+    )
     async def create_chat_completion(raw_request: Request) -> Response:
-        request = await parse_body(raw_request, ChatCompletionRequest)
+        request = await parse_body(raw_request, ChatCompletionRequest, max_request_bytes)
         return await chat.create(request, raw_request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> dict[str, Any]:
         card = ModelCard(
             id=model_name,
@@ -94,7 +123,14 @@ def build_app(
         )
         return ModelList(data=[card]).model_dump()
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "The engine is serving (empty body)."},
+            503: {"model": ErrorResponse, "description": "The engine is dead."},
+        },
+    )
     async def health() -> Response:
         try:
             await asyncio.wait_for(engine.check_health(), HEALTH_TIMEOUT_S)
@@ -107,7 +143,11 @@ def build_app(
     async def version() -> dict[str, str]:
         return {"version": tokenloom.__version__}
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}},
+    )
     async def metrics() -> Response:
         return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -147,6 +187,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="answer 503 when this many requests are already waiting (default: no limit)",
     )
     parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="answer 413 to request bodies larger than this (default: 16 MiB)",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat_template sent with a request (it is Jinja code run by the server)",
+    )
+    parser.add_argument(
         "--uvicorn-log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -168,12 +219,18 @@ async def _serve(args: argparse.Namespace) -> None:
         args.model = args.model_tag
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         raise SystemExit("--max-waiting-requests must be >= 0")
+    if args.max_request_bytes < 1:
+        raise SystemExit("--max-request-bytes must be >= 1")
     engine_args = EngineArgs.from_cli_args(args)
     model_name = engine_args.served_model_name or default_served_model_name(engine_args.model)
     engine = AsyncLLM.from_engine_args(engine_args)
     try:
         app = build_app(
-            engine, served_model_name=model_name, max_waiting_requests=args.max_waiting_requests
+            engine,
+            served_model_name=model_name,
+            max_waiting_requests=args.max_waiting_requests,
+            max_request_bytes=args.max_request_bytes,
+            trust_request_chat_template=args.trust_request_chat_template,
         )
         config = uvicorn.Config(
             app,

@@ -9,28 +9,42 @@ promptly and turns into an OpenAI error rather than a hang.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import math
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+    Sequence,
+)
+from typing import Any, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 
 from tokenloom.engine.exceptions import EngineDeadError
+from tokenloom.engine.protocol import EngineClient
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
-from .errors import OpenAIError, from_validation_error, from_value_error
-
-if TYPE_CHECKING:
-    from tokenloom.engine.async_llm import AsyncLLM
+from .body import decode_body
+from .errors import OpenAIError, from_value_error
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 
 # SamplingParams field -> request field, for the params both endpoints share.
 SAMPLING_FIELDS = {name: name for name in SamplingParams.__dataclass_fields__}
+
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+# Bodies above this are parsed on a worker thread rather than on the event loop.
+_INLINE_PARSE_BYTES = 256 * 2**10
 
 
 class ClientDisconnected(Exception):
@@ -41,19 +55,45 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-async def parse_body(raw_request: Request, model: type[M]) -> M:
-    """Parse and validate a JSON body, turning every failure into a 400."""
-    body = await raw_request.body()
+async def read_body(raw_request: Request, max_bytes: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed ``max_bytes``:
+    from Content-Length up front, or while a chunked upload streams in."""
+    too_large = OpenAIError(
+        f"request body exceeds {max_bytes} bytes (--max-request-bytes)", status=413
+    )
+    declared = raw_request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise OpenAIError(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise OpenAIError("request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from exc
+        async for chunk in raw_request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientDisconnected from None
+    return b"".join(chunks)
+
+
+async def parse_body(raw_request: Request, model: type[M], max_bytes: int) -> M:
+    """Read, parse and validate a JSON body; every failure is a 4xx naming the field."""
+    body = await read_body(raw_request, max_bytes)
+    if len(body) > _INLINE_PARSE_BYTES:
+        return await asyncio.to_thread(decode_body, body, model)
+    return decode_body(body, model)
+
+
+async def off_loop(fn: Callable[[], T]) -> T:
+    """Run CPU work (detokenizing, building large responses) on a worker thread."""
+    return await asyncio.to_thread(fn)
+
+
+async def json_response(build: Callable[[], BaseModel]) -> JSONResponse:
+    """A JSON response built and encoded off the event loop: with n and logprobs a
+    response can hold hundreds of thousands of entries."""
+    return await off_loop(lambda: JSONResponse(build().model_dump()))
 
 
 async def wait_for_disconnect(raw_request: Request) -> None:
@@ -184,7 +224,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: AsyncLLM,
+        engine: EngineClient,
         model_name: str,
         max_waiting_requests: int | None = None,
     ) -> None:
@@ -193,10 +233,12 @@ class OpenAIServing:
         self.max_waiting_requests = max_waiting_requests
         self.tokenizer = engine.tokenizer
         self._num_not_started = 0
+        # Logprobs name the same few thousand tokens over and over.
+        self._token_str = functools.lru_cache(maxsize=1 << 17)(self._decode_token)
 
     def check_model(self, model: str | None) -> None:
         """The served name is accepted, and so is the engine's own name (the model path)."""
-        aliases = (self.model_name, getattr(self.engine, "model_name", self.model_name))
+        aliases = (self.model_name, self.engine.model_name)
         if model is not None and model not in aliases:
             raise OpenAIError(
                 f"the model '{model}' does not exist; this server serves '{self.model_name}'",
@@ -210,7 +252,7 @@ class OpenAIServing:
         from the engine's scheduler stats, which are only refreshed by engine
         steps and so go stale when the engine falls idle.
         """
-        if getattr(self.engine, "errored", False):
+        if self.engine.errored:
             raise OpenAIError("the engine is dead; restart the server", status=503)
         if self.max_waiting_requests is None:
             return
@@ -271,10 +313,16 @@ class OpenAIServing:
 
     def token_str(self, token_id: int) -> str:
         """The text of a single token, as logprobs report it."""
+        return self._token_str(token_id)
+
+    def _decode_token(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
 
-    def prompt_text(self, prompt: str | list[int]) -> str:
-        return prompt if isinstance(prompt, str) else str(self.tokenizer.decode(prompt))
+    async def prompt_text(self, prompt: str | list[int]) -> str:
+        """The prompt as text (for ``echo``); token ids are decoded off the event loop."""
+        if isinstance(prompt, str):
+            return prompt
+        return await off_loop(lambda: str(self.tokenizer.decode(prompt)))
 
 
 def sse(payload: BaseModel | dict[str, Any], *, drop: Sequence[str] = ()) -> str:
@@ -293,6 +341,11 @@ def sse_error(exc: BaseException) -> str:
     if isinstance(exc, OpenAIError):
         return sse(exc.body())
     return sse(OpenAIError(f"internal error: {exc!r}", status=500).body())
+
+
+def finite_logprob(value: float | None) -> float:
+    """A logprob fit for JSON: missing or non-finite becomes -9999.0, vLLM's placeholder."""
+    return value if value is not None and math.isfinite(value) else -9999.0
 
 
 def top_entries(logprobs: Mapping[int, float], k: int) -> list[tuple[int, float]]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
+from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.outputs import CompletionOutput, RequestOutput
 
 from .errors import OpenAIError, from_value_error
@@ -30,6 +30,8 @@ from .serving_base import (
     SSE_DONE,
     OpenAIServing,
     aclose_all,
+    finite_logprob,
+    json_response,
     last_output,
     new_request_id,
     prime,
@@ -40,21 +42,50 @@ from .serving_base import (
 
 logger = logging.getLogger(__name__)
 
+# What a render_chat ValueError may name (its message starts with the field).
+_TEMPLATE_FIELDS = {
+    name: name
+    for name in (
+        "messages",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+    )
+}
+_UNTRUSTED_TEMPLATE = (
+    "a chat template sent with the request runs only on a server started with "
+    "--trust-request-chat-template"
+)
+
 
 class OpenAIServingChat:
-    """Renders the conversation to token ids, runs it, and answers in chat format."""
+    """Has the engine render the conversation, runs it, and answers in chat format.
 
-    def __init__(self, serving: OpenAIServing) -> None:
+    A chat template sent with the request is Jinja code of the client's choosing,
+    which can run for as long as it likes; like vLLM, the server takes one only
+    when started with ``--trust-request-chat-template``.
+    """
+
+    def __init__(self, serving: OpenAIServing, trust_request_chat_template: bool = False) -> None:
         self.serving = serving
+        self.trust_request_chat_template = trust_request_chat_template
 
-    def render(self, request: ChatCompletionRequest) -> list[int]:
+    async def render(self, request: ChatCompletionRequest) -> list[int]:
+        """The prompt token ids of the conversation (rendered off the event loop by the engine)."""
+        if not self.trust_request_chat_template:
+            if request.chat_template is not None:
+                raise OpenAIError(_UNTRUSTED_TEMPLATE, param="chat_template")
+            if "chat_template" in (request.chat_template_kwargs or {}):
+                raise OpenAIError(_UNTRUSTED_TEMPLATE, param="chat_template_kwargs")
         conversation = [message.to_template_dict() for message in request.messages]
-        return render_chat_prompt(
-            self.serving.tokenizer,
-            conversation,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-        )
+        try:
+            rendered = await self.serving.engine.render_chat(conversation, request.chat_options())
+        except ValueError as exc:
+            raise from_value_error(exc, _TEMPLATE_FIELDS, "messages") from exc
+        except EngineDeadError as exc:
+            raise OpenAIError(f"the engine is dead: {exc}", status=500) from exc
+        return rendered.token_ids
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         serving = self.serving
@@ -64,8 +95,8 @@ class OpenAIServingChat:
             params = request.to_sampling_params()
         except ValueError as exc:
             raise from_value_error(exc, fields, None) from exc
-        prompt_ids = self.render(request)
         serving.check_capacity(1)
+        prompt_ids = await self.render(request)
         request_id = new_request_id("chatcmpl")
         stream = serving.generate(
             prompt_ids,
@@ -82,7 +113,7 @@ class OpenAIServingChat:
                 self._stream(request, request_id, primed), media_type="text/event-stream"
             )
         [final] = await serving.until_ready(raw_request, [last_output(stream)], [stream])
-        return JSONResponse(self._response(request, request_id, final).model_dump())
+        return await json_response(lambda: self._response(request, request_id, final))
 
     def _response(
         self, request: ChatCompletionRequest, request_id: str, final: RequestOutput
@@ -162,46 +193,22 @@ class OpenAIServingChat:
             per_token = entries[position] if position < len(entries) else {}
             token = self.serving.token_str(token_id)
             top = [
-                ChatTopLogprob(token=(t := self.serving.token_str(tid)), logprob=lp, bytes=_utf8(t))
+                ChatTopLogprob(
+                    token=(t := self.serving.token_str(tid)),
+                    logprob=finite_logprob(lp),
+                    bytes=_utf8(t),
+                )
                 for tid, lp in top_entries(per_token, num_top)
             ]
             content.append(
                 ChatTokenLogprob(
                     token=token,
-                    # Only missing if the engine dropped it; -9999 is vLLM's placeholder.
-                    logprob=per_token.get(token_id, -9999.0),
+                    logprob=finite_logprob(per_token.get(token_id)),
                     bytes=_utf8(token),
                     top_logprobs=top,
                 )
             )
         return ChatChoiceLogprobs(content=content)
-
-
-def render_chat_prompt(
-    tokenizer: Any,
-    conversation: list[dict[str, Any]],
-    *,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-) -> list[int]:
-    """Prompt token ids for a conversation: the chat template's text, tokenized as is.
-
-    Tokenizing without special tokens keeps a BOS the template already wrote
-    from being doubled. Template failures (bad roles, raise_exception) become
-    a 400 naming ``messages``.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise OpenAIError("this model has no chat template; use /v1/completions", "messages")
-    try:
-        text = tokenizer.apply_chat_template(
-            conversation,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-        )
-    except Exception as exc:  # jinja errors, template raise_exception(), bad roles
-        raise OpenAIError(f"cannot apply the chat template: {exc}", "messages") from exc
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _utf8(text: str) -> list[int]:

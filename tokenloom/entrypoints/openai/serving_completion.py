@@ -6,7 +6,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from tokenloom.outputs import CompletionOutput, RequestOutput
 
@@ -24,6 +24,8 @@ from .serving_base import (
     SSE_DONE,
     OpenAIServing,
     aclose_all,
+    finite_logprob,
+    json_response,
     last_output,
     merge_streams,
     new_request_id,
@@ -71,20 +73,22 @@ class OpenAIServingCompletion:
                 media_type="text/event-stream",
             )
         finals = await serving.until_ready(raw_request, [last_output(s) for s in streams], streams)
-        return JSONResponse(self._response(request, request_id, prompts, finals).model_dump())
+        # Echoed prompts are decoded only now, once the engine has accepted (and so
+        # bounded) them.
+        prefixes = [await serving.prompt_text(p) if request.echo else "" for p in prompts]
+        return await json_response(lambda: self._response(request, request_id, prefixes, finals))
 
     def _response(
         self,
         request: CompletionRequest,
         request_id: str,
-        prompts: Sequence[str | list[int]],
+        prefixes: Sequence[str],
         finals: Sequence[RequestOutput],
     ) -> CompletionResponse:
         choices: list[CompletionChoice] = []
         prompt_tokens = completion_tokens = 0
-        for i, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
+        for i, (prefix, final) in enumerate(zip(prefixes, finals, strict=True)):
             prompt_tokens += len(final.prompt_token_ids)
-            prefix = self.serving.prompt_text(prompt) if request.echo else ""
             for out in final.outputs:
                 completion_tokens += len(out.token_ids)
                 logprobs = None
@@ -132,7 +136,7 @@ class OpenAIServingCompletion:
                     if index not in started:
                         started.add(index)
                         if request.echo:
-                            text = self.serving.prompt_text(prompts[i]) + text
+                            text = await self.serving.prompt_text(prompts[i]) + text
                     logprobs = None
                     if request.logprobs is not None and out.token_ids:
                         logprobs, offsets[index] = self._logprobs(
@@ -177,9 +181,9 @@ class OpenAIServingCompletion:
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
                 continue
-            result.token_logprobs.append(per_token.get(token_id))
+            result.token_logprobs.append(finite_logprob(per_token.get(token_id)))
             top: dict[str, float] = {}
             for top_id, logprob in top_entries(per_token, num_top):
-                top.setdefault(self.serving.token_str(top_id), logprob)
+                top.setdefault(self.serving.token_str(top_id), finite_logprob(logprob))
             result.top_logprobs.append(top)
         return result, offset
