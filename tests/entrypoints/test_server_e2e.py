@@ -307,6 +307,71 @@ def test_client_disconnect_without_streaming_aborts(server: RemoteServer) -> Non
     wait_until(lambda: _idle(server.url), 30, "running=0 and KV usage=0 after the disconnect")
 
 
+# ------------------------------------------------------------------ hostile requests
+
+_CHAT_BODY = '"messages": [{"role": "user", "content": "hi"}]'
+_PROMPT_BODY = '"prompt": "hi"'
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "status", "param"),
+    [
+        ("/v1/completions", f'{_PROMPT_BODY}, "seed": {2**64}', 400, "seed"),
+        ("/v1/chat/completions", f'{_CHAT_BODY}, "temperature": NaN', 400, "temperature"),
+        ("/v1/completions", f'{_PROMPT_BODY}, "top_p": Infinity', 400, "top_p"),
+        ("/v1/completions", '"prompt": "a\\ud800"', 400, "prompt"),
+        ("/v1/completions", f'{_PROMPT_BODY}, "stop": {"[" * 100 + "]" * 100}', 400, "stop"),
+        ("/v1/completions", f'{_PROMPT_BODY}, "stop": {"[" * 5000 + "]" * 5000}', 400, None),
+        ("/v1/completions", f'{_PROMPT_BODY}, "logprobs": 100', 400, "logprobs"),
+        (
+            "/v1/chat/completions",
+            f'{_CHAT_BODY}, "logprobs": true, "top_logprobs": 1000',
+            400,
+            "top_logprobs",
+        ),
+        ("/v1/completions", f'{_PROMPT_BODY}, "n": 100000', 400, "n"),
+        (
+            "/v1/chat/completions",
+            '"messages": [{"role": "wizard", "content": "x"}]',
+            400,
+            "messages[0].role",
+        ),
+        ("/v1/completions", '"prompt": [1, 1000000000000000000000000000000]', 400, "prompt"),
+    ],
+)
+def test_hostile_requests_get_4xx_and_the_server_goes_on(
+    server: RemoteServer, path: str, raw: str, status: int, param: str | None
+) -> None:
+    body = f'{{"model": "{MODEL}", "max_tokens": 2, {raw}}}'.encode()
+    r = post(server, path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status and error["message"]
+    assert error["param"] == param, error
+    ok = post(server, "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+
+
+def test_oversized_body_is_413(server: RemoteServer) -> None:
+    body = b'{"prompt": "' + b"x" * (16 * 2**20) + b'"}'  # just over the default 16 MiB
+    r = post(server, "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == 413
+    ok = post(server, "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+
+
+def test_openapi_declares_the_request_bodies(server: RemoteServer) -> None:
+    schema = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    for path, model in (
+        ("/v1/completions", "CompletionRequest"),
+        ("/v1/chat/completions", "ChatCompletionRequest"),
+    ):
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert body["schema"]["$ref"] == f"#/components/schemas/{model}"
+        assert model in schema["components"]["schemas"]
+
+
 def test_server_log_has_no_traceback(server: RemoteServer) -> None:
     # The server wrote no traceback while serving everything above.
     assert "Traceback" not in server.log_tail(10**6)
