@@ -306,3 +306,15 @@ async def test_token_ids_outside_the_vocabulary(client: httpx.AsyncClient) -> No
         await rejected(
             client, COMPLETIONS, param="prompt", json_body=body_for(COMPLETIONS, prompt=prompt)
         )
+
+
+async def test_prompt_batches_are_bounded(client: httpx.AsyncClient, engine: FakeAsyncLLM) -> None:
+    body = body_for(COMPLETIONS, prompt=["a"] * 100_000)
+    error = await rejected(client, COMPLETIONS, param="prompt", json_body=body)
+    assert "2048" in error["message"]
+    body = body_for(COMPLETIONS, prompt=["a"] * 17, n=128)  # 2176 completions
+    await rejected(client, COMPLETIONS, param="prompt", json_body=body)
+    assert len(engine.started) == 2  # only the two checks that the server still serves
+    r = await client.post(COMPLETIONS, json=body_for(COMPLETIONS, prompt=["a"] * 16, n=128))
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2048

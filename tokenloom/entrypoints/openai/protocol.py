@@ -30,6 +30,9 @@ from .errors import OpenAIError
 # OpenAI's limits, which vLLM follows too.
 MAX_N = 128
 MAX_CHAT_TOP_LOGPROBS = 20
+# Each completion is an engine request: a batch of a million one-character
+# prompts would otherwise queue a million of them.
+MAX_SEQUENCES_PER_REQUEST = 2048
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -140,6 +143,12 @@ class CompletionRequest(_SamplingRequest):
             batch = list(prompt)
         if not batch:
             raise OpenAIError("prompt must not be empty", param="prompt")
+        if len(batch) * self.n > MAX_SEQUENCES_PER_REQUEST:
+            raise OpenAIError(
+                f"a request may ask for at most {MAX_SEQUENCES_PER_REQUEST} completions "
+                f"(prompts x n), got {len(batch)} x {self.n}",
+                param="prompt",
+            )
         return batch
 
     def to_sampling_params(self) -> SamplingParams:
