@@ -8,8 +8,15 @@ so prefills, chunking, decodes and finishes share steps.
 The fake runner's work (building ModelRunnerOutput) is outside the timed
 region. Reports the median of ``--repeats`` runs.
 
+``--compare TREE`` measures another checkout (e.g. a git worktree of an older
+commit) against this one: every run is a fresh subprocess importing tokenloom
+from one tree, the two trees alternate run by run (and which goes first
+alternates each round), and each row reports the median of ``--repeats`` runs
+per tree with the ratio current / TREE.
+
     .venv/bin/python benchmarks/scheduler_overhead.py
     .venv/bin/python benchmarks/scheduler_overhead.py --profile 1024
+    .venv/bin/python benchmarks/scheduler_overhead.py --compare /work/base --repeats 3 --freeze-gc
 """
 
 from __future__ import annotations
@@ -17,14 +24,20 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import json
+import os
 import pstats
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a plain checkout
+HERE = Path(__file__).resolve().parents[1]
+# The tree whose tokenloom is measured: this checkout, or the one --compare runs.
+TREE = Path(os.environ.get("TOKENLOOM_BENCH_TREE") or HERE)
+sys.path.insert(0, str(TREE))  # runnable from a plain checkout
 
 from tokenloom.config import CacheConfig, SchedulerConfig  # noqa: E402
 from tokenloom.core.sched.output import SchedulerOutput  # noqa: E402
@@ -92,9 +105,9 @@ def steady_decode(n: int, steps: int, seed: int = 0) -> Scheduler:
     return scheduler
 
 
-def measure_steady(n: int, steps: int, repeats: int) -> dict[str, float]:
+def measure_steady(n: int, steps: int, repeats: int, first_seed: int = 0) -> dict[str, float]:
     per_step, per_req, sched_share = [], [], []
-    for rep in range(repeats):
+    for rep in range(first_seed, first_seed + repeats):
         scheduler = steady_decode(n, steps, seed=rep)
         gc.collect()
         if FREEZE_GC:
@@ -117,10 +130,12 @@ def measure_steady(n: int, steps: int, repeats: int) -> dict[str, float]:
     }
 
 
-def measure_mixed(steps: int, repeats: int, rate: float = 2.0) -> dict[str, float]:
+def measure_mixed(
+    steps: int, repeats: int, rate: float = 2.0, first_seed: int = 0
+) -> dict[str, float]:
     """Poisson arrivals (``rate`` per step), prompts 32-1024, outputs 8-256 tokens."""
     per_step, per_req, batch = [], [], []
-    for rep in range(repeats):
+    for rep in range(first_seed, first_seed + repeats):
         rng = random.Random(100 + rep)
         scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048),
@@ -168,6 +183,93 @@ def profile(n: int, steps: int) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
 
 
+def _run_one(workload: str, seed: int, args: argparse.Namespace) -> dict[str, float]:
+    """One run of one workload ("mixed" or a steady N), as --compare's subprocesses do."""
+    if workload == "mixed":
+        return measure_mixed(args.mixed_steps, 1, first_seed=seed)
+    return measure_steady(int(workload), args.steps, 1, first_seed=seed)
+
+
+def _tree_label(tree: Path) -> str:
+    """``<short commit>`` (``+`` when the tree has uncommitted changes), or the path."""
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return str(tree)
+    return commit + ("+" if dirty else "")
+
+
+def compare(base: Path, args: argparse.Namespace) -> None:
+    """Interleaved subprocess runs of ``base`` and this tree; medians and ratios."""
+    trees = {"base": base.resolve(), "current": HERE}
+    workloads = [str(n) for n in args.sizes] + ["mixed"]
+    flags = ["--steps", str(args.steps), "--mixed-steps", str(args.mixed_steps)]
+    flags += ["--wall"] * args.wall + ["--freeze-gc"] * args.freeze_gc
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for rep in range(args.repeats):
+        for workload in workloads:
+            order = ["base", "current"] if rep % 2 == 0 else ["current", "base"]
+            for name in order:
+                env = dict(os.environ, TOKENLOOM_BENCH_TREE=str(trees[name]))
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--one", workload]
+                done = subprocess.run(
+                    [*cmd, "--seed", str(rep), *flags],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                result = json.loads(done.stdout.strip().splitlines()[-1])
+                if not result.pop("tree").startswith(str(trees[name])):
+                    raise RuntimeError(f"{name} run imported tokenloom from the wrong tree")
+                runs.setdefault((workload, name), []).append(result)
+                print(
+                    f"  round {rep + 1}, {workload:>5}, {name:>7}: "
+                    f"{result['us_per_step']:.1f} us/step",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    clock = "wall" if args.wall else "thread CPU"
+    print(
+        f"base = {trees['base']} ({_tree_label(trees['base'])}), "
+        f"current = {HERE} ({_tree_label(HERE)})"
+    )
+    print(
+        f"clock: {clock} time; median of {args.repeats} interleaved subprocess runs per tree; "
+        f"steady decode {args.steps} steps, mixed {args.mixed_steps} steps"
+        + ("; gc frozen after warm-up" if args.freeze_gc else "")
+    )
+    print("| workload | base µs/step | current µs/step | ratio | base µs/req | current µs/req |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for workload in workloads:
+        med = {
+            name: {
+                k: statistics.median(r[k] for r in runs[(workload, name)])
+                for k in runs[(workload, name)][0]
+            }
+            for name in trees
+        }
+        label = f"N={workload}" if workload != "mixed" else "mixed"
+        b, c = med["base"], med["current"]
+        print(
+            f"| {label} | {b['us_per_step']:.1f} | {c['us_per_step']:.1f} | "
+            f"{c['us_per_step'] / b['us_per_step']:.3f} | {b['us_per_req']:.2f} | "
+            f"{c['us_per_req']:.2f} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
@@ -179,6 +281,12 @@ def main() -> None:
     parser.add_argument(
         "--freeze-gc", action="store_true", help="gc.freeze() after warm-up (steady decode)"
     )
+    parser.add_argument(
+        "--compare", type=Path, metavar="TREE", help="measure TREE against this checkout"
+    )
+    # Internal: one run of one workload in a --compare subprocess, printed as JSON.
+    parser.add_argument("--one", metavar="WORKLOAD", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     global CLOCK, FREEZE_GC
     if args.wall:
@@ -186,6 +294,16 @@ def main() -> None:
     FREEZE_GC = args.freeze_gc
     if args.profile:
         profile(args.profile, args.steps)
+        return
+    if args.one:
+        import tokenloom
+
+        result: dict[str, object] = dict(_run_one(args.one, args.seed, args))
+        result["tree"] = str(Path(tokenloom.__file__).resolve().parents[1])
+        print(json.dumps(result))
+        return
+    if args.compare:
+        compare(args.compare, args)
         return
     clock = "wall" if args.wall else "thread CPU"
     print(f"steady decode, block {BLOCK_SIZE}, {PROMPT_LEN}-token prompts, prefix caching on")

@@ -19,13 +19,11 @@ class TokenLogprobs(msgspec.Struct):
     """Logprobs at one generated position.
 
     ``token_ids[0]``/``logprobs[0]`` are the sampled token; the rest are the
-    top-k alternatives in descending order. ``sampled_rank`` is the sampled
-    token's 1-based rank in the whole vocabulary.
+    top-k alternatives in descending order.
     """
 
     token_ids: list[int]
     logprobs: list[float]
-    sampled_rank: int
 
 
 @dataclass
@@ -35,6 +33,7 @@ class ModelRunnerOutput:
     ``sampled_token_ids[i]`` is empty for a partial prefill; with speculative
     decoding it holds the accepted drafts plus one bonus token.
     ``logprobs[i]`` has one entry per sampled token when the request asked.
+    ``req_id_to_index`` maps each id to its position in ``req_ids``.
     """
 
     req_ids: list[str]
@@ -74,12 +73,15 @@ class EngineCoreOutput(msgspec.Struct):
 
 
 class EngineCoreOutputs(msgspec.Struct):
-    """Everything one step produced for one client."""
+    """Everything one step produced for one client.
+
+    ``finished_requests``: ids of the client's requests that finished since the
+    previous step's outputs (any reason, aborts included); None when none did.
+    """
 
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     finished_requests: set[str] | None = None
-    timestamp: float = 0.0
 
 
 @dataclass

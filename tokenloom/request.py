@@ -49,21 +49,33 @@ _FINISHED_REASONS = {
 }
 
 
-# One shared screen per EOS id for requests without stop tokens (the common
+# One shared set per EOS id for requests without stop token ids (the common
 # case), so ~1000 running requests read one hot set instead of 1000 cold ones.
-_EOS_SCREENS: dict[int, frozenset[int]] = {}
-_EMPTY_SCREEN: frozenset[int] = frozenset()
+_EOS_ONLY: dict[int, frozenset[int]] = {}
+_NO_STOPS: frozenset[int] = frozenset()
+
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
 
 
-def _stop_screen(stop_token_ids: frozenset[int], eos_token_id: int | None) -> frozenset[int]:
-    if stop_token_ids:
-        return stop_token_ids if eos_token_id is None else stop_token_ids | {eos_token_id}
-    if eos_token_id is None:
-        return _EMPTY_SCREEN
-    screen = _EOS_SCREENS.get(eos_token_id)
-    if screen is None:
-        screen = _EOS_SCREENS[eos_token_id] = frozenset((eos_token_id,))
-    return screen
+def stopping_token_ids(sampling_params: SamplingParams, eos_token_id: int | None) -> frozenset[int]:
+    """The token ids that stop a request: its EOS unless ``ignore_eos``, plus ``stop_token_ids``.
+
+    The one definition: the scheduler finishes a request on these
+    (:meth:`Request.append_output_token_ids`), and the model runner bans exactly
+    these while fewer than ``min_tokens`` outputs exist. Either way a stop token
+    counts only as output number ``min_tokens + 1`` or later.
+    """
+    stop_ids = sampling_params.stop_token_ids
+    eos = None if sampling_params.ignore_eos else eos_token_id
+    if stop_ids:
+        return frozenset(stop_ids) if eos is None else frozenset((*stop_ids, eos))
+    if eos is None:
+        return _NO_STOPS
+    shared = _EOS_ONLY.get(eos)
+    if shared is None:
+        shared = _EOS_ONLY[eos] = frozenset((eos,))
+    return shared
 
 
 class Request:
@@ -72,16 +84,20 @@ class Request:
     ``num_computed_tokens`` counts tokens whose KV is (or is being, this step)
     written to the cache; the scheduler advances it when it schedules tokens.
     ``spec_token_ids`` holds draft tokens proposed for the next step.
+    ``stopping_token_ids`` is :func:`stopping_token_ids` of the request.
+    Output tokens join only through :meth:`append_output_token_ids`, which also
+    decides when the request finishes.
+
     Slotted: the scheduler reads several attributes of every running request
     every step, and compact objects keep that walk in fewer cache lines.
     """
 
     __slots__ = (
-        "request_id", "status", "num_tokens", "num_computed_tokens", "kv_noop_end",
-        "spec_token_ids", "output_token_ids", "all_token_ids", "stop_screen", "length_end",
-        "client_index", "num_cached_tokens", "sampling_params", "eos_token_id",
-        "arrival_time", "priority", "cache_salt", "stop_reason", "prompt_token_ids",
-        "num_prompt_tokens", "num_preemptions", "max_tokens", "stop_token_ids", "block_hashes",
+        "request_id", "status", "num_computed_tokens", "spec_token_ids", "all_token_ids",
+        "output_token_ids", "stopping_token_ids", "_length_end", "client_index",
+        "num_cached_tokens", "sampling_params", "eos_token_id", "arrival_time", "priority",
+        "stop_reason", "prompt_token_ids", "num_prompt_tokens", "num_preemptions", "max_tokens",
+        "min_tokens", "block_hashes",
     )  # fmt: skip
 
     def __init__(
@@ -93,38 +109,24 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         client_index: int = 0,
-        cache_salt: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         max_tokens = sampling_params.max_tokens
-        stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
         prompt_token_ids = list(prompt_token_ids)
 
         # The attributes the scheduler touches for every running request every
-        # step come first: instance values are stored in assignment order, so
-        # they share a couple of cache lines (this matters with ~1000 requests).
+        # step come first: instance values are stored in slot order, so they
+        # share a couple of cache lines (this matters with ~1000 requests).
         self.request_id = request_id
         self.status = RequestStatus.WAITING
-        # Prompt + output tokens (a plain attribute, read every step).
-        self.num_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
-        # Set by the KV cache manager: allocate_slots(request, n) without lookahead
-        # is a no-op (no new block, no block fills) while
-        # num_computed_tokens + n < kv_noop_end; 0 while the request holds no blocks.
-        self.kv_noop_end = 0
         self.spec_token_ids: list[int] = []
-        # Plain attributes (not properties): the scheduler appends to both for
-        # every decoding request every step.
-        self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
-        # A cheap screen the scheduler applies to each decoded token before the
-        # exact stop check: a token outside ``stop_screen`` with ``num_tokens``
-        # below ``length_end`` cannot stop the request (max_model_len aside).
-        self.stop_screen = _stop_screen(
-            stop_token_ids, None if sampling_params.ignore_eos else eos_token_id
-        )
-        self.length_end = sys.maxsize if max_tokens is None else len(prompt_token_ids) + max_tokens
+        self.output_token_ids: list[int] = []
+        self.stopping_token_ids = stopping_token_ids(sampling_params, eos_token_id)
+        # len(all_token_ids) at which max_tokens is reached (a constant).
+        self._length_end = sys.maxsize if max_tokens is None else len(prompt_token_ids) + max_tokens
         self.client_index = client_index
         self.num_cached_tokens = -1
 
@@ -132,39 +134,89 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
-        # Separates prefix caches: requests with different salts never share blocks.
-        self.cache_salt = cache_salt
         self.stop_reason: int | str | None = None
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_preemptions = 0
         self.max_tokens = max_tokens if max_tokens is not None else sys.maxsize
-        self.stop_token_ids = stop_token_ids
+        self.min_tokens = sampling_params.min_tokens
         # Hashes of the full blocks of all_token_ids, extended by the KV cache
         # manager as tokens arrive; they survive preemption.
         self.block_hashes: list[object] = []
 
     @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens."""
+        return len(self.all_token_ids)
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    @property
-    def num_tokens_with_spec(self) -> int:
-        return len(self.all_token_ids) + len(self.spec_token_ids)
+    def append_output_token_ids(self, token_ids: list[int], max_model_len: int) -> list[int] | None:
+        """Append sampled tokens up to and including the first one that finishes the request.
 
-    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
-        if isinstance(token_ids, int):
-            self.append_output_token_id(token_ids)
-            return
-        self.output_token_ids.extend(token_ids)
+        The only way tokens join a request: one decoded token, or accepted
+        drafts plus the bonus token. After each token: a token in
+        ``stopping_token_ids``, once more than ``min_tokens`` outputs exist
+        including it, finishes the request as ``FINISHED_STOPPED`` with
+        ``stop_reason`` the token (None for EOS); reaching ``max_tokens``
+        outputs or ``max_model_len`` tokens finishes it as
+        ``FINISHED_LENGTH_CAPPED``. A stop token wins over a length cap reached
+        by the same token.
+
+        Reports the finish: None when the request runs on (every token was
+        appended); when it finished, the tokens appended (``token_ids`` up to
+        the finishing token; the rest is dropped), with ``status`` and
+        ``stop_reason`` set.
+        """
+        all_ids = self.all_token_ids
+        if len(token_ids) == 1:
+            # The decode step of almost every request: a token that neither
+            # stops nor reaches a length cap is appended with nothing else.
+            token = token_ids[0]
+            end = len(all_ids) + 1
+            if end < self._length_end and end < max_model_len:
+                if token not in self.stopping_token_ids:
+                    all_ids.append(token)
+                    self.output_token_ids.append(token)
+                    return None
+        elif not token_ids:
+            return None
+        return self._append_until_finish(token_ids, max_model_len)
+
+    def _append_until_finish(self, token_ids: list[int], max_model_len: int) -> list[int] | None:
+        num_out = len(self.output_token_ids)
+        # Index of the first token that reaches a length cap (the first token at
+        # the latest: a request always gets at least one).
+        length_at = min(self.max_tokens - num_out, max_model_len - len(self.all_token_ids)) - 1
+        if length_at < 0:
+            length_at = 0
+        status = None
+        kept = len(token_ids)
+        if length_at < kept:
+            kept = length_at + 1
+            status = _LENGTH
+        stop_ids = self.stopping_token_ids
+        if stop_ids:
+            # Output number num_out + i + 1 may stop once it exceeds min_tokens.
+            for i in range(max(self.min_tokens - num_out, 0), kept):
+                token = token_ids[i]
+                if token in stop_ids:
+                    kept = i + 1
+                    status = _STOPPED
+                    params = self.sampling_params
+                    is_eos = token == self.eos_token_id and not params.ignore_eos
+                    self.stop_reason = None if is_eos else token
+                    break
+        if kept < len(token_ids):
+            token_ids = token_ids[:kept]
         self.all_token_ids.extend(token_ids)
-        self.num_tokens += len(token_ids)
-
-    def append_output_token_id(self, token_id: int) -> None:
-        """One decoded token: the per-step hot path."""
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-        self.num_tokens += 1
+        self.output_token_ids.extend(token_ids)
+        if status is None:
+            return None
+        self.status = status
+        return token_ids
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

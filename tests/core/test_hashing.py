@@ -8,11 +8,11 @@ from tokenloom.request import Request
 from tokenloom.sampling_params import SamplingParams
 
 
-def _chain(*blocks: tuple[int, ...], extras: tuple | None = None) -> list[BlockHash]:
+def _chain(*blocks: tuple[int, ...]) -> list[BlockHash]:
     out: list[BlockHash] = []
     parent = None
-    for i, tokens in enumerate(blocks):
-        parent = BlockHash(parent, tokens, extras if i == 0 else None)
+    for tokens in blocks:
+        parent = BlockHash(parent, tokens)
         out.append(parent)
     return out
 
@@ -23,14 +23,14 @@ def test_same_prefix_is_equal_different_prefix_is_not() -> None:
     c = _chain((9, 9), (3, 4))
     assert a[1] == b[1] and hash(a[1]) == hash(b[1])
     assert a[1] != c[1]
-    assert _chain((1, 2), extras=("salt", "x"))[0] != _chain((1, 2))[0]
+    assert _chain((1, 2), (3, 4))[1] != _chain((1, 2), (3, 5))[1]
     assert a[0] != "not a hash"
 
 
 def test_digest_collision_never_makes_different_prefixes_equal(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(hashing, "digest_block", lambda parent, tokens, extras: 7)
+    monkeypatch.setattr(hashing, "digest_block", lambda parent, tokens: 7)
     a = _chain((1, 2), (3, 4))
     b = _chain((5, 6), (3, 4))
     assert hash(a[1]) == hash(b[1]) == 7
@@ -41,8 +41,8 @@ def test_digest_collision_never_makes_different_prefixes_equal(
     assert table[_chain((1, 2), (3, 4))[1]] == "a"
 
 
-def _request(tokens: list[int], salt: str | None = None) -> Request:
-    return Request("r", tokens, SamplingParams(), cache_salt=salt)
+def _request(tokens: list[int]) -> Request:
+    return Request("r", tokens, SamplingParams())
 
 
 def test_extend_hashes_only_full_blocks_and_grows_with_output() -> None:
@@ -51,18 +51,11 @@ def test_extend_hashes_only_full_blocks_and_grows_with_output() -> None:
     assert hashes is request.block_hashes
     assert [h.token_ids for h in hashes] == [(0, 1, 2), (3, 4, 5)]
     first = list(hashes)
-    request.append_output_token_ids([7, 8])
+    request.append_output_token_ids([7, 8], 4096)
     extend_block_hashes(request, 3)
     assert request.block_hashes[:2] == first and request.block_hashes[0] is first[0]
     assert [h.token_ids for h in request.block_hashes] == [(0, 1, 2), (3, 4, 5), (6, 7, 8)]
     assert request.block_hashes[2].parent is request.block_hashes[1]
-
-
-def test_salt_goes_into_first_block_only() -> None:
-    salted = extend_block_hashes(_request(list(range(4)), salt="s"), 2)
-    plain = extend_block_hashes(_request(list(range(4))), 2)
-    assert salted[0].extra_keys == ("salt", "s") and salted[1].extra_keys is None
-    assert salted[1] != plain[1]
 
 
 def test_extension_reuses_cached_equal_objects() -> None:

@@ -21,8 +21,8 @@ def make_manager(
     return KVCacheManager(num_blocks, BS, max_model_len, enable_caching=enable_caching)
 
 
-def make_request(rid: str, tokens: list[int], salt: str | None = None) -> Request:
-    return Request(rid, tokens, SamplingParams(), cache_salt=salt)
+def make_request(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=None))
 
 
 def schedule(
@@ -42,7 +42,7 @@ def schedule(
 
 
 def decode(manager: KVCacheManager, request: Request, token: int) -> KVCacheBlocks | None:
-    request.append_output_token_ids(token)
+    request.append_output_token_ids([token], manager.max_model_len)
     return schedule(manager, request, 1)
 
 
@@ -215,21 +215,8 @@ def test_hit_never_covers_the_last_prompt_token() -> None:
     assert_no_leaks(m, [a, exact])
 
 
-def test_cache_salt_separates_prefix_caches() -> None:
-    m = make_manager()
-    a = make_request("a", list(range(9)), salt="x")
-    schedule(m, a)
-    assert hit_ids(m, make_request("b", list(range(9)))) == []
-    assert hit_ids(m, make_request("c", list(range(9)), salt="y")) == []
-    assert hit_ids(m, make_request("d", list(range(9)), salt="x")) == m.get_block_ids("a")[:2]
-    plain = make_request("e", list(range(9)))
-    schedule(m, plain)
-    assert hit_ids(m, make_request("f", list(range(9)))) == m.get_block_ids("e")[:2]
-    assert_no_leaks(m, [a, plain])
-
-
 def test_digest_collisions_never_give_a_wrong_hit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hashing, "digest_block", lambda parent, tokens, extras: 1234)
+    monkeypatch.setattr(hashing, "digest_block", lambda parent, tokens: 1234)
     m = make_manager()
     a = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     schedule(m, a)
@@ -427,30 +414,37 @@ def test_blocks_container() -> None:
 
 
 @pytest.mark.parametrize("enable_caching", [True, False])
-def test_kv_noop_end_bounds_the_no_op_path_exactly(enable_caching: bool) -> None:
-    """The scheduler skips allocate_slots below ``request.kv_noop_end``; that must be a no-op,
-    and reaching the bound must not be (a block is added or filled)."""
+def test_noop_ends_bound_the_no_op_path_exactly(enable_caching: bool) -> None:
+    """The scheduler skips allocate_slots below ``noop_ends[request_id]``; that must be a
+    no-op, and reaching the bound must not be (a block is added or filled)."""
     manager = make_manager(num_blocks=20, enable_caching=enable_caching)
+    noop_ends = manager.noop_ends
     other = make_request("other", [9] * 6)
     schedule(manager, other)
     request = make_request("r", [1, 2, 3, 4, 5])
-    assert request.kv_noop_end == 0  # holds no blocks yet
+    assert "r" not in noop_ends  # holds no blocks yet
     schedule(manager, request)
+    crossings = 0
     for token in range(20):
-        request.append_output_token_ids(token)
+        request.append_output_token_ids([token], manager.max_model_len)
         before = snapshot(manager, [request, other])
         end = request.num_computed_tokens + 1
-        if end < request.kv_noop_end:
+        if end < noop_ends["r"]:
             assert manager.allocate_slots(request, 1) is EMPTY_BLOCKS
             assert snapshot(manager, [request, other]) == before
         else:
-            assert end == request.kv_noop_end  # the bound is tight: one token crosses it
+            assert end == noop_ends["r"]  # the bound is tight: one token crosses it
+            crossings += 1
             cached_before = manager.block_pool.cached.copy()
             new = manager.allocate_slots(request, 1)
             assert new is not None
             changed = new.blocks or manager.block_pool.cached != cached_before
             assert changed
         request.num_computed_tokens = end
+        manager.check_integrity()  # noop_ends stays in step with the blocks
+    # Computed ends 6..25 with blocks of 4: a new block at 9, 13, .., 25; with caching
+    # also a block filled (and cached) at 8, 12, .., 24.
+    assert crossings == (10 if enable_caching else 5)
     manager.free(request)
-    assert request.kv_noop_end == 0
+    assert "r" not in noop_ends
     assert_no_leaks(manager, [other])

@@ -17,9 +17,9 @@ from tokenloom.request import Request
 from tokenloom.sampling_params import SamplingParams
 
 BS = 2
-BASES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9]]
+BASES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 6, 7, 8, 1, 2, 3, 4]]
 
-# One op: (kind, index, amount, lookahead, tail tokens, salt); fields a kind does
+# One op: (kind, index, amount, lookahead, tail tokens); fields a kind does
 # not use are ignored. Kinds are listed with weights so requests share prefixes.
 KINDS = ["add"] * 3 + ["step"] * 4 + ["decode"] * 2 + ["preempt", "finish", "cache", "reset"]
 op = st.tuples(
@@ -28,7 +28,6 @@ op = st.tuples(
     st.integers(1, 8),
     st.integers(0, 3),
     st.lists(st.integers(0, 2), max_size=3),
-    st.sampled_from([None, None, "s"]),
 )
 
 
@@ -81,11 +80,11 @@ class Runner:
         request.num_computed_tokens = start + num_new
 
     def apply(self, operation: tuple) -> None:
-        kind, index, amount, lookahead, tail, salt = operation
+        kind, index, amount, lookahead, tail = operation
         if kind == "add":
             base = BASES[index % len(BASES)]
             tokens = base[: 2 + amount % (len(base) - 1)] + tail
-            request = Request(f"r{self.next_id}", tokens, SamplingParams(), cache_salt=salt)
+            request = Request(f"r{self.next_id}", tokens, SamplingParams(max_tokens=None))
             self.next_id += 1
             self.live.append(request)
             return
@@ -100,7 +99,7 @@ class Runner:
             self.run(request, amount, lookahead)
         elif kind == "decode" and request.num_computed_tokens == request.num_tokens:
             if request.num_tokens < 20:
-                request.append_output_token_ids(amount % 3)
+                request.append_output_token_ids([amount % 3], self.m.max_model_len)
                 self.run(request, 1, 0)
         elif kind == "preempt":
             self.m.free(request)
@@ -132,19 +131,19 @@ def _play(num_blocks: int, ops: list[tuple]) -> Runner:
 
 
 def test_fixed_sequence_exercises_hits_evictions_and_refusals() -> None:
-    # (kind, index, amount, lookahead, tail, salt); indices pick from live requests.
+    # (kind, index, amount, lookahead, tail); indices pick from live requests.
     ops = [
-        ("add", 0, 6, 0, [], None),  # r0 = 1..8
-        ("step", 0, 8, 0, [], None),
-        ("add", 0, 6, 0, [2], None),  # r1 = 1..8, 2: hits r0's 4 blocks
-        ("step", 1, 8, 0, [], None),
-        ("finish", 0, 0, 0, [], None),  # live: r1
-        ("add", 1, 6, 0, [], "s"),  # r2: salted, no hit; fills the pool
-        ("step", 1, 8, 0, [], None),
-        ("add", 0, 2, 0, [0, 1], None),  # r3 = 1..4, 0, 1: hits 2 held blocks
-        ("step", 2, 8, 3, [], None),  # 3 new blocks wanted, none free: refused
-        ("finish", 0, 0, 0, [], None),  # live: r2, r3; r1's blocks become free
-        ("step", 1, 8, 3, [], None),  # r3 hits the 2 now-free blocks again
+        ("add", 0, 6, 0, []),  # r0 = 1..8
+        ("step", 0, 8, 0, []),
+        ("add", 0, 6, 0, [2]),  # r1 = 1..8, 2: hits r0's 4 blocks
+        ("step", 1, 8, 0, []),
+        ("finish", 0, 0, 0, []),  # live: r1
+        ("add", 2, 6, 0, []),  # r2 = 5..8, 1..4: no hit; fills the pool
+        ("step", 1, 8, 0, []),
+        ("add", 0, 2, 0, [0, 1]),  # r3 = 1..4, 0, 1: hits 2 held blocks
+        ("step", 2, 8, 3, []),  # 3 new blocks wanted, none free: refused
+        ("finish", 0, 0, 0, []),  # live: r2, r3; r1's blocks become free
+        ("step", 1, 8, 3, []),  # r3 hits the 2 now-free blocks again
     ]
     runner = _play(10, ops)
     assert runner.num_hit_blocks == 4 + 2
@@ -163,7 +162,7 @@ def test_random_operations_keep_integrity_and_exact_hits(num_blocks: int, ops: l
 @given(num_blocks=st.integers(2, 12), ops=st.lists(op, min_size=10, max_size=80))
 def test_random_operations_with_every_digest_colliding(num_blocks: int, ops: list) -> None:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(hashing, "digest_block", lambda parent, tokens, extras: 0)
+        mp.setattr(hashing, "digest_block", lambda parent, tokens: 0)
         runner = _play(num_blocks, ops)
     event(f"hit blocks > 0: {runner.num_hit_blocks > 0}")
     event(f"refused allocations > 0: {runner.num_refused > 0}")

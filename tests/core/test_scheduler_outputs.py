@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from tests.core.utils import (
@@ -14,11 +12,8 @@ from tests.core.utils import (
     make_scheduler,
     scripted,
 )
-from tokenloom.config import CacheConfig, SchedulerConfig
-from tokenloom.core.sched.scheduler import Scheduler
 from tokenloom.outputs import ModelRunnerOutput, TokenLogprobs
-from tokenloom.request import FinishReason, Request, RequestStatus
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.request import FinishReason, RequestStatus
 
 EOS = 2
 
@@ -60,13 +55,14 @@ def test_stop_token_id_sets_stop_reason() -> None:
 
 
 def test_min_tokens_delays_eos_and_stop_ids() -> None:
-    h = _harness({"a": [EOS, 11, EOS, 11, 5], "b": [11, EOS, 5, 5]})
+    h = _harness({"a": [EOS, 11, EOS, 11, 5], "b": [11, EOS, EOS, 5]})
     h.add(make_request("a", 4, eos_token_id=EOS, stop_token_ids=[11], min_tokens=3))
     h.add(make_request("b", 4, eos_token_id=EOS, stop_token_ids=[11], min_tokens=2))
     h.run_until_done()
-    assert h.tokens("a") == [EOS, 11, EOS]  # the third output may stop
+    assert h.tokens("a") == [EOS, 11, EOS, 11]  # the first output after min_tokens may stop
     assert h.finished["a"].finish_reason == FinishReason.STOP
-    assert h.tokens("b") == [11, EOS]
+    assert h.finished["a"].stop_reason == 11
+    assert h.tokens("b") == [11, EOS, EOS]
     assert h.finished["b"].stop_reason is None
     assert_no_leaks(h.scheduler)
 
@@ -107,7 +103,7 @@ def test_tokens_and_logprobs_past_a_stop_are_trimmed() -> None:
     so = s.schedule()
     assert so.num_scheduled_tokens == {"a": 4}
     assert so.scheduled_spec_decode_tokens == {"a": [6, EOS, 8]}
-    logprobs = [TokenLogprobs([t], [-0.5], 1) for t in (6, EOS, 8, 9)]
+    logprobs = [TokenLogprobs([t], [-0.5]) for t in (6, EOS, 8, 9)]
     out = s.update_from_output(
         so, ModelRunnerOutput(["a"], {"a": 0}, [[6, EOS, 8, 9]], logprobs=[logprobs])
     )
@@ -291,6 +287,26 @@ def test_outputs_are_grouped_by_client() -> None:
     assert_no_leaks(h.scheduler)
 
 
+def test_finished_requests_lists_what_finished_per_client() -> None:
+    h = _harness({"a": [5, EOS]}, max_model_len=16)
+    h.add(make_request("a", 4, eos_token_id=EOS, client_index=0))
+    h.add(make_request("b", 4, max_tokens=10, client_index=0))
+    h.add(make_request("c", 4, max_tokens=1, client_index=3))
+    h.add(make_request("long", 17, client_index=3))  # ignored: longer than max_model_len
+    out = h.step_outputs()
+    assert sorted(out) == [0, 3]
+    assert out[0].finished_requests is None
+    assert out[3].finished_requests == {"c", "long"}
+    h.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    out = h.step_outputs()
+    assert sorted(out) == [0]
+    assert out[0].finished_requests == {"a", "b"}  # a stopped; b was aborted
+    assert [o.request_id for o in out[0].outputs] == ["a"]
+    assert h.scheduler.has_finished_requests()
+    assert h.step_outputs() == {}
+    assert_no_leaks(h.scheduler)
+
+
 def test_stats_are_deltas_since_the_previous_snapshot() -> None:
     h = Harness(make_scheduler(block_size=4, num_blocks=5, log_stats=True))
     prompt = list(range(100, 107))
@@ -350,41 +366,3 @@ def test_duplicate_ids_and_non_finished_status_are_rejected() -> None:
     assert h.scheduler.get_request_counts() == (0, 1)
     h.run_until_done()
     assert_no_leaks(h.scheduler)
-
-
-@pytest.mark.parametrize(
-    ("eos", "ignore_eos", "stop_ids", "max_tokens", "expect"),
-    [
-        (2, False, None, None, {"stop"}),
-        (None, False, None, 3, {"length"}),
-        (2, True, [5], None, {"stop"}),
-        (None, False, [5, 6], None, {"stop"}),
-    ],
-)
-def test_stop_screen_sends_every_stopping_token_to_the_exact_check(
-    eos: int | None, ignore_eos: bool, stop_ids: list[int] | None, max_tokens: int | None,
-    expect: set[str],
-) -> None:  # fmt: skip
-    """The one-token path screens tokens with ``stop_screen``/``length_end``; a screened-out
-    token must never be one that stops the request."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_ids)
-    request = Request("r", [1, 2], params, eos_token_id=eos)
-    assert request.stop_screen == (
-        set(stop_ids or ()) | ({eos} if eos is not None and not ignore_eos else set())
-    )
-    assert request.length_end == (2 + max_tokens if max_tokens else sys.maxsize)
-    # ignore_eos: EOS (2) must not stop; 5 is a stop token in the stop cases.
-    scheduler = Scheduler(SchedulerConfig(), CacheConfig(block_size=4, num_blocks=16), 64)
-    scheduler.add_request(request)
-    reasons: set[str] = set()
-    for token in [2, 7, 5, 8]:
-        so = scheduler.schedule()
-        if not so.num_scheduled_tokens:
-            break
-        out = scheduler.update_from_output(so, ModelRunnerOutput(["r"], {"r": 0}, [[token]]))
-        for o in out[0].outputs:
-            if o.finish_reason is not None:
-                reasons.add(str(o.finish_reason))
-    assert reasons == expect
-    stop_at = {(2, False): 1, (None, False): 3, (2, True): 3}.get((eos, ignore_eos), 3)
-    assert request.output_token_ids == [2, 7, 5, 8][:stop_at]

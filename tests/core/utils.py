@@ -220,6 +220,10 @@ class Harness:
         self.run(so)
         return so
 
+    def step_outputs(self) -> dict[int, EngineCoreOutputs]:
+        """One step; what update_from_output returned."""
+        return self.run(self.schedule())
+
     def run_until_done(self, max_steps: int = 10_000) -> int:
         steps = 0
         while self.scheduler.has_requests():

@@ -46,13 +46,12 @@ def test_output_messages_round_trip() -> None:
                 FinishReason.STOP,
                 stop_reason=6,
                 num_cached_tokens=16,
-                new_logprobs=[TokenLogprobs([5, 9], [-0.1, -2.5], 1)],
+                new_logprobs=[TokenLogprobs([5, 9], [-0.1, -2.5])],
             ),
             EngineCoreOutput("r2", [7]),
         ],
         scheduler_stats=SchedulerStats(num_running_reqs=1, kv_cache_usage=0.25),
         finished_requests={"r1"},
-        timestamp=3.0,
     )
     message = CoreOutputs(outputs, {"r1": 2.0})
     decoded = output_decoder.decode(encode(message))

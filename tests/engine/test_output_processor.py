@@ -83,7 +83,7 @@ def test_logprobs_become_dicts(tokenizer: Any, inputs: InputProcessor) -> None:
     _, reqs = inputs.process("r", [5], SamplingParams(logprobs=1, max_tokens=2))
     proc = OutputProcessor(tokenizer)
     proc.add_request("r", None, reqs)
-    lps = [TokenLogprobs([10, 11], [-0.5, -1.5], 1), TokenLogprobs([12, 12], [-0.1, -0.1], 1)]
+    lps = [TokenLogprobs([10, 11], [-0.5, -1.5]), TokenLogprobs([12, 12], [-0.1, -0.1])]
     step = proc.process_outputs([out("r", [10, 12], FinishReason.LENGTH, new_logprobs=lps)], 1.0)
     assert step.request_outputs[0].outputs[0].logprobs == [{10: -0.5, 11: -1.5}, {12: -0.1}]
 

@@ -204,9 +204,7 @@ def test_sampling_metadata_penalties_count_drafts_before_each_row() -> None:
     )
     batch.add_request("g", [4, 5], SamplingParams(temperature=0.0), [3], 1)
     batch.token_ids[slot, 4:6] = [11, 12]  # drafts written by prepare_step
-    md = build_sampling_metadata(
-        batch, np.array([slot, slot, slot, 1]), np.array([0, 1, 2, 0]), eos_token_ids=[0]
-    )
+    md = build_sampling_metadata(batch, np.array([slot, slot, slot, 1]), np.array([0, 1, 2, 0]))
     assert md.output_token_ids is not None and md.prompt_token_ids is not None
     outputs = [[t for t in row if t != VOCAB] for row in md.output_token_ids.tolist()]
     assert outputs == [[9], [9, 11], [9, 11, 12], []]
@@ -217,12 +215,32 @@ def test_sampling_metadata_penalties_count_drafts_before_each_row() -> None:
     assert md.top_k is None and md.top_p is None and md.min_p is None
 
 
-def test_sampling_metadata_min_tokens_bans_eos_and_stop_ids() -> None:
+def _banned(batch: InputBatch, slots: list[int], offsets: list[int]) -> list[tuple[int, int]]:
+    md = build_sampling_metadata(batch, np.array(slots), np.array(offsets))
+    if md.banned_rows is None:
+        return []
+    assert md.banned_token_ids is not None
+    return sorted(zip(md.banned_rows.tolist(), md.banned_token_ids.tolist(), strict=True))
+
+
+def test_sampling_metadata_bans_the_stopping_ids_until_min_tokens() -> None:
     batch = make_batch()
-    batch.add_request("a", [1], SamplingParams(min_tokens=2, stop_token_ids=[7]), [1], 0)
-    batch.add_request("b", [1], SamplingParams(min_tokens=2, ignore_eos=True), [2], 0)
-    batch.add_request("c", [1], SamplingParams(min_tokens=1), [3], 0, output_token_ids=[5])
-    md = build_sampling_metadata(batch, np.array([0, 1, 2]), np.array([0, 0, 0]), [0, 3])
-    assert md.banned_rows is not None and md.banned_token_ids is not None
-    pairs = sorted(zip(md.banned_rows.tolist(), md.banned_token_ids.tolist(), strict=True))
-    assert pairs == [(0, 0), (0, 3), (0, 7)]
+    stops = frozenset({7, 0, VOCAB + 3})  # an id outside the vocabulary cannot be sampled
+    batch.add_request("a", [1], SamplingParams(min_tokens=2), [1], 0, stopping_token_ids=stops)
+    batch.add_request("b", [1], SamplingParams(min_tokens=2), [2], 0)  # nothing stops it
+    batch.add_request(
+        "c", [1], SamplingParams(min_tokens=1), [3], 0, output_token_ids=[5], stopping_token_ids={0}
+    )
+    assert _banned(batch, [0, 1, 2], [0, 0, 0]) == [(0, 0), (0, 7)]
+    # Row offsets count drafts before the row: a's third row has 2 outputs before it.
+    assert _banned(batch, [0, 0, 0], [0, 1, 2]) == [(0, 0), (0, 7), (1, 0), (1, 7)]
+    # The set survives preemption and slot moves.
+    batch.preempt_request("a")
+    batch.condense()
+    slot = batch.resume_request("a", [], [4], 0)
+    assert slot != 0 and batch.stopping_token_ids[slot] == (0, 7)
+    assert _banned(batch, [slot], [0]) == [(0, 0), (0, 7)]
+    batch.remove_request("b")
+    batch.remove_request("c")
+    batch.condense()
+    assert batch.req_id_to_index == {"a": 0} and batch.stopping_token_ids[0] == (0, 7)

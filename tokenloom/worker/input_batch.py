@@ -14,6 +14,7 @@ scheduler resends its output tokens and full block list when it resumes.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,7 @@ class _Stashed:
     prompt_token_ids: np.ndarray
     sampling_params: SamplingParams
     generator: torch.Generator | None
+    stopping_token_ids: tuple[int, ...]
 
 
 class InputBatch:
@@ -69,6 +71,9 @@ class InputBatch:
         self.repetition_penalty = np.ones(max_num_seqs, dtype=np.float32)
         self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)
         self.min_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        # The request's stopping token ids within the vocabulary, sorted: banned
+        # while fewer than min_tokens outputs exist.
+        self.stopping_token_ids: list[tuple[int, ...]] = [()] * max_num_seqs
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_seqs
         self.generators: dict[int, torch.Generator] = {}
 
@@ -93,11 +98,14 @@ class InputBatch:
         num_computed_tokens: int,
         output_token_ids: list[int] | None = None,
         generator: torch.Generator | None = None,
+        stopping_token_ids: Iterable[int] = (),
     ) -> int:
         """Place a request in the lowest free slot; returns the slot.
 
         ``generator`` continues a resumed request's random stream; a new seeded
         request gets a fresh one from ``sampling_params.seed``.
+        ``stopping_token_ids`` are ``Request.stopping_token_ids`` (see
+        :func:`tokenloom.request.stopping_token_ids`), banned until min_tokens.
         """
         if req_id in self.req_id_to_index:
             raise ValueError(f"request {req_id!r} is already in the batch")
@@ -139,6 +147,8 @@ class InputBatch:
         self.repetition_penalty[slot] = sp.repetition_penalty
         self.num_logprobs[slot] = -1 if sp.logprobs is None else sp.logprobs
         self.min_tokens[slot] = sp.min_tokens
+        vocab = self.vocab_size
+        self.stopping_token_ids[slot] = tuple(sorted(t for t in stopping_token_ids if t < vocab))
         if generator is None and sp.seed is not None and sp.temperature > 0:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(sp.seed & _SEED_MASK)
@@ -169,6 +179,7 @@ class InputBatch:
             prompt_token_ids=self.token_ids[slot, : self.num_prompt_tokens[slot]].copy(),
             sampling_params=sp,
             generator=self.generators.get(slot),
+            stopping_token_ids=self.stopping_token_ids[slot],
         )
         self.remove_request(req_id)
         self._stashed[req_id] = stash
@@ -192,6 +203,7 @@ class InputBatch:
             num_computed_tokens,
             output_token_ids=output_token_ids,
             generator=stash.generator,
+            stopping_token_ids=stash.stopping_token_ids,
         )
 
     def condense(self) -> None:
@@ -233,6 +245,7 @@ class InputBatch:
             array[dst] = array[src]
         self.sampling_params[dst] = self.sampling_params[src]
         self.sampling_params[src] = None
+        self.stopping_token_ids[dst] = self.stopping_token_ids[src]
         generator = self.generators.pop(src, None)
         if generator is not None:
             self.generators[dst] = generator

@@ -33,7 +33,12 @@ from tokenloom.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenloom.worker.host_malloc import keep_freed_memory
 from tokenloom.worker.input_batch import InputBatch
 from tokenloom.worker.sampler import Sampler
-from tokenloom.worker.step_inputs import StepInputs, build_sampling_metadata, prepare_step
+from tokenloom.worker.step_inputs import (
+    StepInputs,
+    apply_deltas,
+    build_sampling_metadata,
+    prepare_step,
+)
 
 
 class ModelRunner:
@@ -43,6 +48,10 @@ class ModelRunner:
 
     Unseeded random rows share one generator seeded with ``ModelConfig.seed``, so a
     run is reproducible given the same schedule; seeded requests have their own.
+
+    ``req_id_to_index`` of the output is rebuilt only when the order of
+    ``req_ids`` changed since the previous step (steady decoding keeps it), so
+    consecutive outputs may share one mapping object: treat it as read-only.
     """
 
     def __init__(
@@ -64,7 +73,6 @@ class ModelRunner:
         self.arch = loaded.arch
         self.dtype = loaded.dtype
         self.device = loaded.device
-        self.model_path = loaded.path
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.arch)
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = allocate_kv_caches(
@@ -82,6 +90,10 @@ class ModelRunner:
         generator.manual_seed(model_config.seed)
         self.sampler = Sampler(generator)
         self.eos_token_ids = tuple(self.arch.eos_token_ids)
+        # The EOS id the engine gives its requests (for hand-built NewRequestData).
+        self._eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
+        self._last_req_ids: list[str] = []
+        self._last_index: dict[str, int] = {}
 
     def _num_kv_blocks(self) -> int:
         """Explicit ``num_blocks``, else ``memory_fraction`` of free memory, capped at
@@ -117,9 +129,9 @@ class ModelRunner:
         the scheduled requests (decodes first); ``sampled_token_ids`` is empty
         for a partial prefill.
         """
-        self._apply_deltas(scheduler_output)
+        apply_deltas(self.input_batch, scheduler_output, self._eos_token_id)
         if not scheduler_output.num_scheduled_tokens:
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+            return self._output([], [], None)
         step = prepare_step(self.input_batch, scheduler_output)
         with torch.inference_mode():
             attn_metadata = AttentionMetadata.build(
@@ -132,11 +144,9 @@ class ModelRunner:
             )
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn_metadata)
             if len(step.row_slots) == 0:
-                return _output(step.req_ids, [[] for _ in step.req_ids], None)
+                return self._output(step.req_ids, [[] for _ in step.req_ids], None)
             logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
-            metadata = build_sampling_metadata(
-                self.input_batch, step.row_slots, step.row_offsets, self.eos_token_ids
-            )
+            metadata = build_sampling_metadata(self.input_batch, step.row_slots, step.row_offsets)
             sampled = self.sampler(logits, metadata)
         tokens = sampled.sampled_token_ids.tolist()
         if step.drafts:
@@ -152,7 +162,7 @@ class ModelRunner:
             for i, entry in zip(step.sample_idx.tolist(), sampled.logprobs, strict=True):
                 if entry is not None:
                     logprobs[i] = [entry]
-        return _output(step.req_ids, sampled_ids, logprobs)
+        return self._output(step.req_ids, sampled_ids, logprobs)
 
     def _verify_drafts(
         self,
@@ -183,38 +193,23 @@ class ModelRunner:
                 if entries[0] is not None:
                     logprobs[i] = [e for e in entries if e is not None]
             row += num_rows
-        return _output(step.req_ids, sampled_ids, logprobs)
+        return self._output(step.req_ids, sampled_ids, logprobs)
 
-    def _apply_deltas(self, scheduler_output: SchedulerOutput) -> None:
-        """Bring the persistent batch in line with the scheduler's view of this step."""
-        batch = self.input_batch
-        for req_id in scheduler_output.finished_req_ids:
-            batch.remove_request(req_id)
-        for req_id in scheduler_output.preempted_req_ids:
-            batch.preempt_request(req_id)
-        for new in scheduler_output.scheduled_new_reqs:
-            batch.add_request(
-                new.req_id,
-                new.prompt_token_ids,
-                new.sampling_params,
-                new.block_ids,
-                new.num_computed_tokens,
-            )
-        cached = scheduler_output.scheduled_cached_reqs
-        resumed = cached.resumed_req_ids
-        index = batch.req_id_to_index
-        for i, req_id in enumerate(cached.req_ids):
-            block_ids = cached.new_block_ids[i]
-            if req_id in resumed:
-                batch.resume_request(
-                    req_id, cached.new_token_ids[i], block_ids or [], cached.num_computed_tokens[i]
-                )
-                continue
-            slot = index[req_id]
-            batch.num_computed_tokens[slot] = cached.num_computed_tokens[i]
-            if block_ids:
-                batch.append_block_ids(slot, block_ids)
-        batch.condense()
+    def _output(
+        self,
+        req_ids: list[str],
+        sampled_ids: list[list[int]],
+        logprobs: list[list[TokenLogprobs] | None] | None,
+    ) -> ModelRunnerOutput:
+        if req_ids != self._last_req_ids:
+            self._last_req_ids = req_ids
+            self._last_index = {r: i for i, r in enumerate(req_ids)}
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index=self._last_index,
+            sampled_token_ids=sampled_ids,
+            logprobs=logprobs,
+        )
 
 
 def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
@@ -228,16 +223,3 @@ def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
             f"length ({limit})"
         )
     return requested
-
-
-def _output(
-    req_ids: list[str],
-    sampled_ids: list[list[int]],
-    logprobs: list[list[TokenLogprobs] | None] | None,
-) -> ModelRunnerOutput:
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=sampled_ids,
-        logprobs=logprobs,
-    )

@@ -143,7 +143,7 @@ class RawLogprobs:
         return cls(rows, num_logprobs, logits.index_select(0, index).log_softmax(dim=-1))
 
     def gather(self, sampled: torch.Tensor) -> list[TokenLogprobs | None]:
-        """Per row: the sampled token's logprob and 1-based rank, then the top k."""
+        """Per row: the sampled token's logprob, then the top k."""
         result: list[TokenLogprobs | None] = [None] * len(self.num_logprobs)
         if not self.rows:
             return result
@@ -151,17 +151,15 @@ class RawLogprobs:
         index = torch.tensor(self.rows, device=lp.device, dtype=torch.long)
         chosen = sampled.index_select(0, index).unsqueeze(1)
         chosen_lp = lp.gather(1, chosen)
-        ranks = (lp > chosen_lp).sum(dim=-1) + 1
         k_max = max(self.num_logprobs[i] for i in self.rows)
         top_lp, top_ids = lp.topk(k_max, dim=-1)
 
         chosen_l, chosen_lp_l = chosen.squeeze(1).tolist(), chosen_lp.squeeze(1).tolist()
-        ranks_l, top_lp_l, top_ids_l = ranks.tolist(), top_lp.tolist(), top_ids.tolist()
+        top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
         for j, row in enumerate(self.rows):
             k = self.num_logprobs[row]
             result[row] = TokenLogprobs(
                 token_ids=[chosen_l[j], *top_ids_l[j][:k]],
                 logprobs=[chosen_lp_l[j], *top_lp_l[j][:k]],
-                sampled_rank=ranks_l[j],
             )
         return result

@@ -36,7 +36,8 @@ class SamplingMetadata:
     # [R, O] int64 padded with vocab_size: tokens generated before this row's position.
     output_token_ids: torch.Tensor | None = None
 
-    # Token ids banned at a row (min_tokens not reached yet): parallel 1-D int64 tensors.
+    # Token ids banned at a row (its request's stopping token ids while min_tokens is
+    # not reached): parallel 1-D int64 tensors.
     banned_rows: torch.Tensor | None = None
     banned_token_ids: torch.Tensor | None = None
 
@@ -46,9 +47,3 @@ class SamplingMetadata:
     @property
     def no_penalties(self) -> bool:
         return self.presence_penalties is None
-
-    @property
-    def max_num_logprobs(self) -> int | None:
-        if self.num_logprobs is None:
-            return None
-        return max(self.num_logprobs)

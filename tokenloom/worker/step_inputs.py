@@ -1,5 +1,7 @@
 """One step's model inputs, built from the persistent batch with numpy, no per-token loops.
 
+``apply_deltas`` first brings the batch up to date with the SchedulerOutput.
+
 The scheduled requests' new tokens are concatenated (decodes first, then
 multi-token chunks, each group in slot order) into one flat ragged batch. A
 request samples when this step brings it level with its tokens (plus drafts):
@@ -9,13 +11,13 @@ k draft tokens. A partial prefill samples nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tokenloom.core.sched.output import SchedulerOutput
+from tokenloom.request import stopping_token_ids
 from tokenloom.worker.input_batch import InputBatch
 from tokenloom.worker.sampling_metadata import SamplingMetadata
 
@@ -37,6 +39,47 @@ class StepInputs:
     row_slots: np.ndarray  # [R]
     row_offsets: np.ndarray  # [R] draft index of the row (0 for the first)
     drafts: dict[int, list[int]]  # batch index -> drafts being verified
+
+
+def apply_deltas(
+    batch: InputBatch, scheduler_output: SchedulerOutput, eos_token_id: int | None
+) -> None:
+    """Bring the persistent batch in line with the scheduler's view of this step.
+
+    ``eos_token_id`` only serves a ``NewRequestData`` built without
+    ``stopping_token_ids``: they are derived from the same definition with it.
+    """
+    for req_id in scheduler_output.finished_req_ids:
+        batch.remove_request(req_id)
+    for req_id in scheduler_output.preempted_req_ids:
+        batch.preempt_request(req_id)
+    for new in scheduler_output.scheduled_new_reqs:
+        stop_ids = new.stopping_token_ids
+        if stop_ids is None:
+            stop_ids = stopping_token_ids(new.sampling_params, eos_token_id)
+        batch.add_request(
+            new.req_id,
+            new.prompt_token_ids,
+            new.sampling_params,
+            new.block_ids,
+            new.num_computed_tokens,
+            stopping_token_ids=stop_ids,
+        )
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = cached.resumed_req_ids
+    index = batch.req_id_to_index
+    for i, req_id in enumerate(cached.req_ids):
+        block_ids = cached.new_block_ids[i]
+        if req_id in resumed:
+            batch.resume_request(
+                req_id, cached.new_token_ids[i], block_ids or [], cached.num_computed_tokens[i]
+            )
+            continue
+        slot = index[req_id]
+        batch.num_computed_tokens[slot] = cached.num_computed_tokens[i]
+        if block_ids:
+            batch.append_block_ids(slot, block_ids)
+    batch.condense()
 
 
 def prepare_step(batch: InputBatch, scheduler_output: SchedulerOutput) -> StepInputs:
@@ -122,9 +165,13 @@ def build_sampling_metadata(
     batch: InputBatch,
     row_slots: np.ndarray,
     row_offsets: np.ndarray,
-    eos_token_ids: Iterable[int],
 ) -> SamplingMetadata:
-    """Gather the sampling parameters of each logits row; optional parts only when used."""
+    """Gather the sampling parameters of each logits row; optional parts only when used.
+
+    A row whose request has fewer than ``min_tokens`` outputs before it bans the
+    request's stopping token ids (``InputBatch.stopping_token_ids``), the same
+    set that finishes it in the scheduler.
+    """
     device = batch.device
     vocab = batch.vocab_size
     temperature = batch.temperature[row_slots]
@@ -175,18 +222,13 @@ def build_sampling_metadata(
 
     need_ban = batch.min_tokens[row_slots] > end - num_prompt
     if bool(need_ban.any()):
-        eos = set(eos_token_ids)
+        stopping = batch.stopping_token_ids
         ban_rows: list[int] = []
         ban_ids: list[int] = []
         for row in np.flatnonzero(need_ban).tolist():
-            params = batch.sampling_params[int(row_slots[row])]
-            assert params is not None
-            banned = set(params.stop_token_ids or ())
-            if not params.ignore_eos:
-                banned |= eos
-            banned = {t for t in banned if t < vocab}
+            banned = stopping[int(row_slots[row])]
             ban_rows.extend([row] * len(banned))
-            ban_ids.extend(sorted(banned))
+            ban_ids.extend(banned)
         if ban_rows:
             metadata.banned_rows = torch.tensor(ban_rows, dtype=torch.long, device=device)
             metadata.banned_token_ids = torch.tensor(ban_ids, dtype=torch.long, device=device)

@@ -40,9 +40,6 @@ class BlockPool:
         usable = self.num_blocks - 1
         return (usable - len(self.free_queue)) / usable
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached.get(block_hash)
-
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         """Take ``n`` free blocks (LRU first), evicting their hashes; each gets ref_cnt 1."""
         blocks = [self.free_queue.popleft()] if n == 1 else self.free_queue.popleft_n(n)

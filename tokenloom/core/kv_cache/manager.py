@@ -5,20 +5,21 @@ The scheduler asks ``get_computed_blocks`` for a prefix hit, then
 free blocks, nothing changed" and the scheduler preempts. Only full blocks are
 cached, keyed by exact chained hashes (:mod:`tokenloom.core.kv_cache.hashing`).
 
-Beyond the contract: ``num_usable_blocks``, ``num_requests``,
+Beyond the contract: ``num_usable_blocks``, ``noop_ends``,
 ``create_empty_block_list()``, ``check_integrity()`` (for tests and idle checks)
 and ``block_pool`` (read-only inspection).
 
 The scheduler calls ``allocate_slots`` for every running request every step, so
 a call that needs no new block and fills no block does one dict lookup and a
 few comparisons and returns the shared :data:`EMPTY_BLOCKS`. The manager also
-publishes that bound as ``request.kv_noop_end`` so the scheduler can skip such
-calls altogether.
+publishes that bound per request in ``noop_ends`` so the scheduler can skip
+such calls altogether.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 
 from tokenloom.core.kv_cache.block import EMPTY_BLOCKS, KVCacheBlock, KVCacheBlocks
 from tokenloom.core.kv_cache.block_pool import BlockPool
@@ -45,17 +46,6 @@ class _RequestBlocks:
         self.next_cache_end = 0
 
 
-def _publish_noop_end(request: Request, state: _RequestBlocks) -> None:
-    """Mirror the no-op bound of ``allocate_slots`` onto the request.
-
-    The scheduler reads ``request.kv_noop_end`` to skip the call for a decoding
-    request whose next token neither needs a block nor fills one (most steps).
-    """
-    capacity_end = state.capacity + 1
-    next_cache_end = state.next_cache_end
-    request.kv_noop_end = next_cache_end if next_cache_end < capacity_end else capacity_end
-
-
 class KVCacheManager:
     """Allocates blocks to requests and shares cached full-block prefixes between them."""
 
@@ -72,8 +62,21 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks)
         self.num_blocks = num_blocks
         self._requests: dict[str, _RequestBlocks] = {}
+        self._noop_ends: dict[str, int] = {}
 
     # ------------------------------------------------------------------ queries
+
+    @property
+    def noop_ends(self) -> Mapping[str, int]:
+        """Per request holding blocks: the token count below which allocating is a no-op.
+
+        ``allocate_slots(request, n)`` without lookahead or prefix hit adds no
+        block and fills none while ``num_computed_tokens + n < noop_ends[id]``,
+        so a scheduler may skip the call (it binds ``noop_ends.get`` once per
+        step; a request holding no blocks is absent). Read-only: the manager
+        updates it whenever a request's blocks or cached count change.
+        """
+        return self._noop_ends
 
     @property
     def usage(self) -> float:
@@ -84,11 +87,6 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         """Usable blocks with ref_cnt 0, including cached ones (they are evictable)."""
         return len(self.block_pool.free_queue)
-
-    @property
-    def num_requests(self) -> int:
-        """Requests currently holding blocks."""
-        return len(self._requests)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -216,9 +214,14 @@ class KVCacheManager:
             state.capacity = len(state.blocks) * block_size
             new = KVCacheBlocks(blocks)
         if end >= state.next_cache_end:
-            num_tokens = request.num_tokens
+            num_tokens = len(request.all_token_ids)
             self._cache_full_blocks(request, state, end if end < num_tokens else num_tokens)
-        _publish_noop_end(request, state)
+        # _publish_noop_end, inlined: this runs for each decoding request once a block.
+        capacity_end = state.capacity + 1
+        next_cache_end = state.next_cache_end
+        self._noop_ends[request.request_id] = (
+            next_cache_end if next_cache_end < capacity_end else capacity_end
+        )
         return new
 
     def _allocate_with_prefix(
@@ -281,8 +284,16 @@ class KVCacheManager:
             self._cache_full_blocks(
                 request, state, min(num_computed + num_new_tokens, request.num_tokens)
             )
-        _publish_noop_end(request, state)
+        self._publish_noop_end(request.request_id, state)
         return KVCacheBlocks(new_blocks) if new_blocks else EMPTY_BLOCKS
+
+    def _publish_noop_end(self, request_id: str, state: _RequestBlocks) -> None:
+        """Refresh ``noop_ends[request_id]`` after the request's blocks or cached count changed."""
+        capacity_end = state.capacity + 1
+        next_cache_end = state.next_cache_end
+        self._noop_ends[request_id] = (
+            next_cache_end if next_cache_end < capacity_end else capacity_end
+        )
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache the request's full blocks among its first ``num_computed_tokens`` tokens.
@@ -295,7 +306,7 @@ class KVCacheManager:
         if state is None:
             return
         self._cache_full_blocks(request, state, min(num_computed_tokens, request.num_tokens))
-        _publish_noop_end(request, state)
+        self._publish_noop_end(request.request_id, state)
 
     def _cache_full_blocks(self, request: Request, state: _RequestBlocks, num_tokens: int) -> None:
         block_size = self.block_size
@@ -317,8 +328,8 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its last blocks are evicted first."""
         state = self._requests.pop(request.request_id, None)
-        request.kv_noop_end = 0
         if state is not None:
+            del self._noop_ends[request.request_id]
             self.block_pool.free_blocks(reversed(state.blocks))
 
     def reset_prefix_cache(self) -> bool:
@@ -363,6 +374,11 @@ class KVCacheManager:
                 raise RuntimeError(f"request {request_id} capacity out of date")
             if state.num_cached > len(state.blocks):
                 raise RuntimeError(f"request {request_id} caches more blocks than it holds")
+            noop_end = min(state.next_cache_end, state.capacity + 1)
+            if self._noop_ends.get(request_id) != noop_end:
+                raise RuntimeError(f"request {request_id} noop_end out of date")
+        if self._noop_ends.keys() != self._requests.keys():
+            raise RuntimeError("noop_ends lists requests that hold no blocks")
 
         num_zero = 0
         for block in pool.blocks[1:]:

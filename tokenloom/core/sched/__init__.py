@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler: queues, the scheduling step, and stop checks."""
+"""Continuous-batching scheduler: queues, the scheduling step and its output."""
 
 from tokenloom.core.sched.interface import SchedulerInterface
 from tokenloom.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput

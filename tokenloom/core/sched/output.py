@@ -21,6 +21,9 @@ class NewRequestData:
     block_ids: list[int]
     # Tokens already in the cache at the start of this step (prefix-cache hit).
     num_computed_tokens: int
+    # Request.stopping_token_ids: banned while fewer than min_tokens outputs exist.
+    # None (a hand-built record): the runner derives them with its own EOS id.
+    stopping_token_ids: frozenset[int] | None = None
 
 
 @dataclass
@@ -29,9 +32,10 @@ class CachedRequestData:
 
     ``new_token_ids[i]`` is empty for running requests (the runner already
     holds what it sampled); for a resumed request it is every output token
-    generated before the preemption, so the runner can rebuild its state. ``new_block_ids[i]`` is the blocks
-    added this step (None if none), or the whole block list of a request
-    resumed after preemption (listed in ``resumed_req_ids``).
+    generated before the preemption, so the runner can rebuild its state.
+    ``new_block_ids[i]`` is the blocks added this step (None if none), or the
+    whole block list of a request resumed after preemption (listed in
+    ``resumed_req_ids``).
     """
 
     req_ids: list[str] = field(default_factory=list)

@@ -31,6 +31,12 @@ Other choices worth knowing:
 * ``SchedulerStats`` hold deltas, so each step's stats ride on one
   ``EngineCoreOutputs`` only (the lowest client index, client 0 when no
   request produced output), never duplicated across clients.
+* ``EngineCoreOutputs.finished_requests`` lists the client's requests that
+  finished since the previous ``update_from_output``: stopped, length-capped
+  or ignored ones (whose final output is in the same object) and those ended
+  through ``finish_requests`` (aborts); None when there are none.
+* Sampled tokens join a request only through
+  ``Request.append_output_token_ids``, which also decides when it finishes.
 * Requests preempted by ``reset_prefix_cache(reset_running_requests=True)``
   are reported in the next ``preempted_req_ids``; that step admits nothing,
   so the runner drops them before they are resumed.
@@ -45,9 +51,9 @@ from itertools import repeat
 from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.core.kv_cache.manager import KVCacheManager
 from tokenloom.core.sched.interface import SchedulerInterface
-from tokenloom.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenloom.core.sched.output import NewRequestData, SchedulerOutput
 from tokenloom.core.sched.request_queue import RequestQueue, create_request_queue
-from tokenloom.core.sched.stop_checker import append_until_stop, stops_after
+from tokenloom.core.sched.step_builder import StepBuilder
 from tokenloom.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -104,6 +110,9 @@ class Scheduler(SchedulerInterface):
         self.finished_req_ids: set[str] = set()
         # Requests finished as FINISHED_IGNORED, reported by the next update_from_output.
         self._ignored: list[Request] = []
+        # (client_index, request_id) of requests ended by finish_requests since the
+        # last update_from_output, for EngineCoreOutputs.finished_requests.
+        self._finished_outside: list[tuple[int, str]] = []
         # Running requests preempted outside schedule() (reset_prefix_cache).
         self._preempted_outside: set[str] = set()
 
@@ -155,6 +164,7 @@ class Scheduler(SchedulerInterface):
             request.status = finished_status
             request.spec_token_ids = []
             self.finished_req_ids.add(req_id)
+            self._finished_outside.append((request.client_index, req_id))
         if running_gone:
             self.running = [r for r in self.running if r not in running_gone]
         if waiting_gone:
@@ -181,24 +191,22 @@ class Scheduler(SchedulerInterface):
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        token_budget = self.scheduler_config.max_num_batched_tokens
+        step = StepBuilder(self.scheduler_config.max_num_batched_tokens)
         chunk_cap = self._chunk_cap
         max_model_len = self.max_model_len
-        allocate = self.kv_cache_manager.allocate_slots
+        manager = self.kv_cache_manager
+        allocate = manager.allocate_slots
+        # Every running request holds blocks, so it has an entry.
+        noop_ends = manager.noop_ends
         running = self.running
-
-        num_scheduled: dict[str, int] = {}
-        spec_tokens: dict[str, list[int]] = {}
         preempted_ids: set[str] = self._preempted_outside
         self._preempted_outside = set()
-        # CachedRequestData for running requests, built column-wise.
-        cached_ids: list[str] = []
-        cached_blocks: list[list[int] | None] = []
-        cached_computed: list[int] = []
 
-        ids_append = cached_ids.append
-        blocks_append = cached_blocks.append
-        computed_append = cached_computed.append
+        # The hot loop inlines step.add_running (no new blocks): the budget is a
+        # local, stored back before any call into the builder.
+        num_scheduled = step.num_scheduled
+        computed_append = step.num_computed.append
+        token_budget = step.token_budget
         fast_cap = min(chunk_cap, token_budget)
         no_drafts = not self._drafts_seen
 
@@ -210,19 +218,17 @@ class Scheduler(SchedulerInterface):
             if preempted and request.status is not _RUNNING:
                 continue
             num_computed = request.num_computed_tokens
-            num_tokens = request.num_tokens
+            num_tokens = len(request.all_token_ids)
             num_new = num_tokens - num_computed
+            req_id = request.request_id
             # Fast path (most running requests, most steps): no drafts, within the
-            # caps, and the KV cache manager has said allocate_slots would be a
-            # no-op, so the call is skipped.
+            # caps, and the KV cache manager says allocate_slots would be a no-op,
+            # so the call is skipped.
             if (
                 0 < num_new <= fast_cap
-                and num_tokens < request.kv_noop_end
                 and (no_drafts or not request.spec_token_ids)
+                and num_tokens < noop_ends[req_id]
             ):
-                req_id = request.request_id
-                ids_append(req_id)
-                blocks_append(None)
                 computed_append(num_computed)
                 num_scheduled[req_id] = num_new
                 token_budget -= num_new
@@ -261,73 +267,42 @@ class Scheduler(SchedulerInterface):
                 if victim is request:
                     break
                 if victim.request_id in num_scheduled:
-                    token_budget += self._unschedule(
-                        victim.request_id, cached_ids, cached_blocks, cached_computed,
-                        num_scheduled, spec_tokens,
-                    )  # fmt: skip
+                    step.token_budget = token_budget
+                    step.unschedule(victim.request_id)
+                    token_budget = step.token_budget
                 new_blocks = allocate(request, num_new - num_spec, 0, None, num_spec)
             if new_blocks is None:
                 break
-            req_id = request.request_id
-            ids_append(req_id)
+            if num_spec and num_spec < len(spec):
+                spec = spec[:num_spec]
+                request.spec_token_ids = spec
             blocks = new_blocks.blocks
-            blocks_append([b.block_id for b in blocks] if blocks else None)
-            computed_append(num_computed)
-            num_scheduled[req_id] = num_new
-            token_budget -= num_new
+            step.token_budget = token_budget
+            step.add_running(
+                req_id,
+                num_computed,
+                num_new,
+                [b.block_id for b in blocks] if blocks else None,
+                spec if num_spec else None,
+            )
+            token_budget = step.token_budget
             if token_budget < fast_cap:
                 fast_cap = token_budget
             request.num_computed_tokens = num_computed + num_new
-            if num_spec:
-                if num_spec < len(spec):
-                    spec = spec[:num_spec]
-                    request.spec_token_ids = spec
-                spec_tokens[req_id] = spec
+        step.token_budget = token_budget
 
-        new_reqs: list[NewRequestData] = []
-        # A fresh empty list per running request (they already hold their tokens).
-        new_token_ids: list[list[int]] = list(map(list, repeat((), len(cached_ids))))
-        resumed_ids: set[str] = set()
         if not preempted_ids and self.waiting:
-            token_budget = self._admit_waiting(
-                token_budget, num_scheduled, new_reqs, resumed_ids,
-                cached_ids, cached_blocks, cached_computed, new_token_ids,
-            )  # fmt: skip
+            self._admit_waiting(step)
 
         num_common = 0
         if running and len(num_scheduled) == len(running):
-            num_common = self.kv_cache_manager.get_num_common_prefix_blocks(running[0].request_id)
+            num_common = manager.get_num_common_prefix_blocks(running[0].request_id)
         finished = self.finished_req_ids
         self.finished_req_ids = set()
-        return SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=CachedRequestData(
-                req_ids=cached_ids,
-                resumed_req_ids=resumed_ids,
-                new_token_ids=new_token_ids,
-                new_block_ids=cached_blocks,
-                num_computed_tokens=cached_computed,
-            ),
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.scheduler_config.max_num_batched_tokens - token_budget,
-            scheduled_spec_decode_tokens=spec_tokens,
-            num_common_prefix_blocks=num_common,
-            preempted_req_ids=preempted_ids,
-            finished_req_ids=finished,
-        )
+        return step.build(num_common, preempted_ids, finished)
 
-    def _admit_waiting(
-        self,
-        token_budget: int,
-        num_scheduled: dict[str, int],
-        new_reqs: list[NewRequestData],
-        resumed_ids: set[str],
-        cached_ids: list[str],
-        cached_blocks: list[list[int] | None],
-        cached_computed: list[int],
-        new_token_ids: list[list[int]],
-    ) -> int:
-        """Admit waiting requests in queue order; returns the budget left.
+    def _admit_waiting(self, step: StepBuilder) -> None:
+        """Admit waiting requests in queue order within ``step``'s budget.
 
         Stops at the first request that does not fit (no reordering), so a
         large prompt is not overtaken by smaller ones behind it.
@@ -338,7 +313,7 @@ class Scheduler(SchedulerInterface):
         manager = self.kv_cache_manager
         waiting = self.waiting
         running = self.running
-        while waiting and token_budget > 0 and len(running) < config.max_num_seqs:
+        while waiting and step.token_budget > 0 and len(running) < config.max_num_seqs:
             request = waiting.peek()
             if self._unservable(request):
                 waiting.pop()
@@ -348,14 +323,15 @@ class Scheduler(SchedulerInterface):
                 computed_blocks, num_cached = manager.get_computed_blocks(request)
             else:
                 computed_blocks, num_cached = None, 0
-            num_new = request.num_tokens - num_cached
+            num_tokens = request.num_tokens
+            num_new = num_tokens - num_cached
             if chunked:
-                num_new = min(num_new, self._chunk_cap, token_budget)
+                num_new = min(num_new, self._chunk_cap, step.token_budget)
             elif num_new > config.max_num_batched_tokens:
                 waiting.pop()
                 self._ignore(request)
                 continue
-            elif num_new > token_budget:
+            elif num_new > step.token_budget:
                 break
             if manager.allocate_slots(request, num_new, num_cached, computed_blocks) is None:
                 break
@@ -363,31 +339,32 @@ class Scheduler(SchedulerInterface):
             running.append(request)
             req_id = request.request_id
             if caching:
-                self._prefix_queries += request.num_tokens
+                self._prefix_queries += num_tokens
                 self._prefix_hits += num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             if request.status == _WAITING:
-                new_reqs.append(
+                step.add_new(
                     NewRequestData(
                         req_id=req_id,
                         prompt_token_ids=request.prompt_token_ids,
                         sampling_params=request.sampling_params,
                         block_ids=manager.get_block_ids(req_id),
                         num_computed_tokens=num_cached,
-                    )
+                        stopping_token_ids=request.stopping_token_ids,
+                    ),
+                    num_new,
                 )
             else:
-                resumed_ids.add(req_id)
-                cached_ids.append(req_id)
-                cached_blocks.append(manager.get_block_ids(req_id))
-                cached_computed.append(num_cached)
-                new_token_ids.append(list(request.output_token_ids))
+                step.add_resumed(
+                    req_id,
+                    request.output_token_ids,
+                    manager.get_block_ids(req_id),
+                    num_cached,
+                    num_new,
+                )
             request.status = _RUNNING
             request.num_computed_tokens = num_cached + num_new
-            num_scheduled[req_id] = num_new
-            token_budget -= num_new
-        return token_budget
 
     def _unservable(self, request: Request) -> bool:
         num_tokens = request.num_tokens
@@ -424,27 +401,12 @@ class Scheduler(SchedulerInterface):
         self._num_preemptions += 1
         self.waiting.prepend(request)
 
-    @staticmethod
-    def _unschedule(
-        victim_id: str,
-        cached_ids: list[str],
-        cached_blocks: list[list[int] | None],
-        cached_computed: list[int],
-        num_scheduled: dict[str, int],
-        spec_tokens: dict[str, list[int]],
-    ) -> int:
-        """Take a victim scheduled earlier in this step out of the step; returns its tokens."""
-        i = cached_ids.index(victim_id)
-        del cached_ids[i], cached_blocks[i], cached_computed[i]
-        spec_tokens.pop(victim_id, None)
-        return num_scheduled.pop(victim_id)
-
     # ------------------------------------------------------------------ outputs
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
-        """Append each request's sampled tokens, stopping at the first stop condition.
+        """Append each request's sampled tokens, up to its first stop.
 
         Requests finished, aborted or preempted since ``schedule()`` are skipped.
         Finished requests free their blocks at once and leave ``requests``;
@@ -455,9 +417,9 @@ class Scheduler(SchedulerInterface):
         logprobs_all = model_runner_output.logprobs
         drafts_seen = self._drafts_seen
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
-        scheduled = scheduler_output.num_scheduled_tokens
         max_model_len = self.max_model_len
         running_status = _RUNNING
+        append = Request.append_output_token_ids
 
         per_client: dict[int, list[EngineCoreOutput]] = {}
         client = -1
@@ -470,8 +432,9 @@ class Scheduler(SchedulerInterface):
             req_ids, model_runner_output.sampled_token_ids, logprobs_iter, strict=True
         ):
             request = get_request(req_id)
-            # Finished, aborted or preempted since schedule(): nothing to apply.
-            if request is None or request.status is not running_status or req_id not in scheduled:
+            # Finished, aborted or preempted since schedule() (a request re-added
+            # under the same id is WAITING): nothing to apply.
+            if request is None or request.status is not running_status:
                 continue
             if drafts_seen:
                 if request.spec_token_ids:
@@ -481,43 +444,26 @@ class Scheduler(SchedulerInterface):
                     if drafts:
                         accepted = len(sampled) - 1 if sampled else 0
                         request.num_computed_tokens -= len(drafts) - accepted
-            if len(sampled) == 1:
-                # One decoded token, inlined (this runs for every decoding request
-                # every step): append it, then screen it cheaply; only a token that
-                # may stop the request gets the exact check.
-                new_tokens = sampled
-                token = sampled[0]
-                request.output_token_ids.append(token)
-                request.all_token_ids.append(token)
-                num_tokens = request.num_tokens + 1
-                request.num_tokens = num_tokens
-                stopped = (
-                    token in request.stop_screen
-                    or num_tokens >= request.length_end
-                    or num_tokens >= max_model_len
-                ) and stops_after(request, token, max_model_len)
-            elif not sampled:
+            if not sampled:
                 continue  # a partial prefill produces no token
-            else:
-                new_tokens = append_until_stop(request, sampled, max_model_len)
-                stopped = request.status != running_status
-            if logprobs is not None and len(logprobs) > len(new_tokens):
-                logprobs = logprobs[: len(new_tokens)]
+            kept = append(request, sampled, max_model_len)
             if request.client_index != client:
                 client = request.client_index
                 client_outputs = per_client.setdefault(client, [])
-            if not stopped:
+            if kept is None:  # still running: every sampled token was appended
                 client_outputs.append(
                     EngineCoreOutput(
-                        req_id, new_tokens, None, None, request.num_cached_tokens, logprobs
+                        req_id, sampled, None, None, request.num_cached_tokens, logprobs
                     )
                 )
             else:
                 finished.append(request)
+                if logprobs is not None and len(logprobs) > len(kept):
+                    logprobs = logprobs[: len(kept)]
                 client_outputs.append(
                     EngineCoreOutput(
                         req_id,
-                        new_tokens,
+                        kept,
                         request.get_finished_reason(),
                         request.stop_reason,
                         request.num_cached_tokens,
@@ -525,23 +471,39 @@ class Scheduler(SchedulerInterface):
                     )
                 )
 
+        finished_ids: dict[int, set[str]] = {}
         if finished:
             free = self.kv_cache_manager.free
             for request in finished:
                 free(request)
-                del requests[request.request_id]
-                self.finished_req_ids.add(request.request_id)
+                req_id = request.request_id
+                del requests[req_id]
+                self.finished_req_ids.add(req_id)
+                finished_ids.setdefault(request.client_index, set()).add(req_id)
             gone = set(finished)
             self.running = [r for r in self.running if r not in gone]
 
         if self._ignored:
             for request in self._ignored:
+                req_id = request.request_id
                 per_client.setdefault(request.client_index, []).append(
-                    EngineCoreOutput(request.request_id, [], FinishReason.LENGTH)
+                    EngineCoreOutput(req_id, [], FinishReason.LENGTH)
                 )
+                finished_ids.setdefault(request.client_index, set()).add(req_id)
             self._ignored = []
+        if self._finished_outside:
+            for client_index, req_id in self._finished_outside:
+                finished_ids.setdefault(client_index, set()).add(req_id)
+                per_client.setdefault(client_index, [])
+            self._finished_outside = []
 
-        result = {c: EngineCoreOutputs(outputs=outs) for c, outs in per_client.items()}
+        if finished_ids:
+            result = {
+                c: EngineCoreOutputs(outputs=outs, finished_requests=finished_ids.get(c))
+                for c, outs in per_client.items()
+            }
+        else:
+            result = {c: EngineCoreOutputs(outputs=outs) for c, outs in per_client.items()}
         if self.log_stats:
             # Stats hold deltas, so they ride on one client's outputs only.
             first = min(result) if result else 0
