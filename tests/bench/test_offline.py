@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
 from tokenloom import SamplingParams
 from tokenloom.bench.datasets import BenchRequest
-from tokenloom.bench.offline import format_offline, reset_prefix_cache, run_offline, warmup
+from tokenloom.bench.offline import format_offline, run_offline, warmup
 
 
 @dataclass
@@ -22,32 +22,17 @@ class _Output:
     num_cached_tokens: int
 
 
-@dataclass
-class _Scheduler:
-    resets: int = 0
-
-    def reset_prefix_cache(self) -> bool:
-        self.resets += 1
-        return True
-
-
-@dataclass
-class _Core:
-    scheduler: _Scheduler = field(default_factory=_Scheduler)
-
-
-@dataclass
-class _Client:
-    core: _Core = field(default_factory=_Core)
-
-
 class FakeLLM:
     """Returns max_tokens tokens per prompt (or one fewer when ``short``)."""
 
     def __init__(self, short: bool = False) -> None:
-        self.client = _Client()
+        self.resets = 0
         self.calls: list[tuple[list, list[SamplingParams]]] = []
         self.short = short
+
+    def reset_prefix_cache(self) -> bool:
+        self.resets += 1
+        return True
 
     def generate(self, prompts, params, use_tqdm=True):
         if isinstance(params, SamplingParams):
@@ -83,6 +68,4 @@ def test_warmup_resets_the_prefix_cache():
     warmup(llm, num_requests=2, prompt_len=5, max_tokens=3)
     prompts, params = llm.calls[0]
     assert len(prompts) == 2 and all(len(p) == 5 for p in prompts)
-    assert llm.client.core.scheduler.resets == 1
-    assert reset_prefix_cache(llm) is True
-    assert reset_prefix_cache(object()) is False
+    assert llm.resets == 1

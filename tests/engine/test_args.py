@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
+from tokenloom.default_model import DEFAULT_MODEL_NAME
 from tokenloom.engine.args import EngineArgs
 
 
@@ -35,6 +37,11 @@ def test_defaults_build_configs() -> None:
         ({"seed": 1.5}, "seed"),
         ({"enable_prefix_caching": "yes"}, "enable_prefix_caching"),
         ({"served_model_name": ""}, "served_model_name"),
+        ({"max_logprobs": -1}, "max_logprobs"),
+        ({"max_logprobs": 2.5}, "max_logprobs"),
+        ({"chat_template": "/no/such/template.jinja"}, "chat_template"),
+        ({"chat_template": "{% for m in messages %}"}, "chat_template"),
+        ({"chat_template": ""}, "chat_template"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(kwargs: dict, field: str) -> None:
@@ -62,6 +69,10 @@ def test_cli_round_trip() -> None:
             "--no-log-stats",
             "--served-model-name",
             "x",
+            "--chat-template",
+            "{{ messages[0].content }}",
+            "--max-logprobs",
+            "5",
         ]
     )
     args = EngineArgs.from_cli_args(ns)
@@ -75,11 +86,23 @@ def test_cli_round_trip() -> None:
         kv_cache_memory_fraction=0.5,
         log_stats=False,
         served_model_name="x",
+        chat_template="{{ messages[0].content }}",
+        max_logprobs=5,
     )
     assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs()
 
 
+def test_chat_template_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert EngineArgs().load_chat_template() is None
+    assert EngineArgs(chat_template=inline).load_chat_template() == inline
+    path = tmp_path / "chat.jinja"
+    path.write_text(inline, encoding="utf-8")
+    assert EngineArgs(chat_template=str(path)).load_chat_template() == inline
+    assert EngineArgs().max_logprobs == 20
+
+
 def test_served_model_name() -> None:
-    assert EngineArgs().get_served_model_name() == "SmolLM2-135M-Instruct"
+    assert EngineArgs().get_served_model_name() == DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct"
     assert EngineArgs(model="/a/b.gguf").get_served_model_name() == "/a/b.gguf"
     assert EngineArgs(model="/a/b.gguf", served_model_name="m").get_served_model_name() == "m"

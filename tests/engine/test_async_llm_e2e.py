@@ -38,7 +38,7 @@ def async_inproc(llm: Any) -> Any:
         EngineArgs(**ENGINE_KWARGS),
         client,
         llm.tokenizer,
-        llm.client.core.arch.vocab_size,
+        llm.input_processor.vocab_size,
         llm.input_processor.eos_token_ids,
     )
     yield engine

@@ -1,16 +1,14 @@
-"""EngineCore and the core process loop, with a fake model runner (no model, no weights)."""
+"""EngineCore and the core process loop, with an injected fake model runner (no model, no torch)."""
 
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import zmq
 
-from tests.core.utils import FakeRunner
-from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
+from tests.engine.fakes import FakeModelRunner
+from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.engine import core_proc
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.messages import (
@@ -26,27 +24,15 @@ from tokenloom.sampling_params import SamplingParams
 EOS = 0
 
 
-class FakeModelRunner:
-    """The ModelRunner surface EngineCore uses; tokens are always 7."""
-
-    def __init__(self, model_config: Any, cache_config: CacheConfig, scheduler_config: Any):
-        self.num_blocks = cache_config.num_blocks
-        self.max_model_len = 128
-        self.arch = SimpleNamespace(eos_token_ids=[EOS], vocab_size=100)
-        self.fake = FakeRunner(token_source=lambda _req_id: 7)
-        self.calls: list[Any] = []
-
-    def execute_model(self, scheduler_output: Any) -> Any:
-        self.calls.append(scheduler_output)
-        return self.fake.execute(scheduler_output)
+def make_core(num_blocks: int = 64, max_model_len: int = 128) -> tuple[EngineCore, FakeModelRunner]:
+    runner = FakeModelRunner(num_blocks, max_model_len)
+    core = EngineCore(runner, CacheConfig(block_size=4, num_blocks=num_blocks), SchedulerConfig())
+    return core, runner
 
 
 @pytest.fixture()
-def core(monkeypatch: pytest.MonkeyPatch) -> EngineCore:
-    import tokenloom.worker.model_runner as model_runner
-
-    monkeypatch.setattr(model_runner, "ModelRunner", FakeModelRunner)
-    return EngineCore(ModelConfig(), CacheConfig(block_size=4, num_blocks=64), SchedulerConfig())
+def core() -> EngineCore:
+    return make_core()[0]
 
 
 def request(req_id: str, max_tokens: int, prompt: list[int] | None = None) -> EngineCoreRequest:
@@ -58,13 +44,23 @@ def usage(core: EngineCore) -> float:
     return core.scheduler.kv_cache_manager.usage
 
 
-def test_max_model_len_fits_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tokenloom.worker.model_runner as model_runner
-
-    monkeypatch.setattr(model_runner, "ModelRunner", FakeModelRunner)
-    small = EngineCore(ModelConfig(), CacheConfig(block_size=4, num_blocks=9), SchedulerConfig())
+def test_max_model_len_fits_the_cache() -> None:
+    small, _ = make_core(num_blocks=9)
     assert small.max_model_len == 32  # 8 usable blocks of 4 (block 0 is reserved)
     assert small.cache_config.num_blocks == 9
+    big, _ = make_core(num_blocks=1000, max_model_len=128)
+    assert big.max_model_len == 128  # the runner's own limit
+
+
+def test_the_given_runner_runs_every_step() -> None:
+    core, runner = make_core()
+    core.add_request(request("a", max_tokens=2))
+    assert core.runner is runner
+    first = core.step()
+    assert first is not None and len(runner.calls) == 1
+    assert runner.calls[0].num_scheduled_tokens == {"a": 5}
+    (out,) = first.outputs.outputs
+    assert out.new_token_ids == [7]
 
 
 def test_step_runs_requests_to_completion(core: EngineCore) -> None:
@@ -150,3 +146,24 @@ def test_serve_loop_over_zmq(core: EngineCore) -> None:
         for sock in (core_in, core_out, front_in, front_out):
             sock.close(linger=0)
         context.term()
+
+
+def run_to_end(core: EngineCore, req: EngineCoreRequest) -> int:
+    """Run one request alone; its prefix-cache hit in tokens."""
+    core.add_request(req)
+    cached = None
+    while (result := core.step()) is not None:
+        for out in result.outputs.outputs:
+            if out.request_id == req.request_id and cached is None:
+                cached = out.num_cached_tokens
+    assert cached is not None
+    return cached
+
+
+def test_reset_prefix_cache_forgets_cached_blocks(core: EngineCore) -> None:
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert run_to_end(core, request("first", 1, prompt)) == 0
+    assert run_to_end(core, request("again", 1, prompt)) == 8  # two full blocks of 4
+    assert core.reset_prefix_cache()
+    assert run_to_end(core, request("after-reset", 1, prompt)) == 0
+    assert usage(core) == 0.0

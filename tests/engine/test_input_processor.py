@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from tokenloom.engine.input_processor import InputProcessor, eos_token_ids
+from tokenloom.engine.protocol import ChatOptions
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -58,12 +59,49 @@ def test_n_children_get_distinct_ids_and_seeds(inputs: InputProcessor) -> None:
     assert len({r.arrival_time for r in reqs}) == 1
 
 
-def test_chat_template(inputs: InputProcessor) -> None:
-    text, ids = inputs.render_chat([{"role": "user", "content": "Hi"}])
-    assert text.endswith("<|im_start|>assistant\n") and "Hi" in text
-    assert inputs.tokenizer.decode(ids) == text
-    with pytest.raises(ValueError, match="content"):
-        inputs.render_chat([{"role": "user"}])
+def test_chat_goes_through_the_engine_template(tokenizer: Any) -> None:
+    inputs = InputProcessor(
+        tokenizer,
+        64,
+        49152,
+        [2],
+        chat_template="{% for m in messages %}[{{ m.content }}]{% endfor %}",
+    )
+    rendered = inputs.render_chat([{"role": "user", "content": "Hi"}])
+    assert rendered.text == "[Hi]"
+    assert rendered.token_ids == tokenizer.encode("[Hi]", add_special_tokens=False)
+    # A request's own template wins over the engine's.
+    own = inputs.render_chat(
+        [{"role": "user", "content": "Hi"}], ChatOptions(chat_template="<{{ messages[0].role }}>")
+    )
+    assert own.text == "<user>"
+
+
+def test_model_template_by_default(inputs: InputProcessor) -> None:
+    rendered = inputs.render_chat([{"role": "user", "content": "Hi"}])
+    assert rendered.text.endswith("<|im_start|>assistant\n") and "Hi" in rendered.text
+    assert inputs.tokenizer.decode(rendered.token_ids) == rendered.text
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.role"):
+        inputs.render_chat([{"content": "Hi"}])
+
+
+@pytest.mark.parametrize("prompt", ["caf\udce9", "\ud83d alone", "x" * 1000 + "\udfff"])
+def test_lone_surrogates_in_a_prompt_are_refused(inputs: InputProcessor, prompt: str) -> None:
+    with pytest.raises(ValueError, match="^prompt contains a lone surrogate"):
+        inputs.process("r", prompt, SamplingParams())
+    _, (ok,) = inputs.process("r", "caf\u00e9 \U0001f642", SamplingParams(max_tokens=4))
+    assert ok.prompt_token_ids
+
+
+def test_logprobs_above_max_logprobs_are_refused(tokenizer: Any) -> None:
+    inputs = InputProcessor(tokenizer, 32, 49152, [2], max_logprobs=5)
+    inputs.process("ok", "hi", SamplingParams(logprobs=5, max_tokens=4))
+    with pytest.raises(ValueError, match=r"^logprobs \(6\) exceeds .*5 \(max_logprobs\)"):
+        inputs.process("r", "hi", SamplingParams(logprobs=6, max_tokens=4))
+    default = InputProcessor(tokenizer, 32, 49152, [2])
+    default.process("ok", "hi", SamplingParams(logprobs=20, max_tokens=4))
+    with pytest.raises(ValueError, match="^logprobs"):
+        default.process("r", "hi", SamplingParams(logprobs=21, max_tokens=4))
 
 
 def test_eos_token_ids_helper(tokenizer: Any) -> None:

@@ -71,6 +71,45 @@ def test_chat_applies_template(llm: Any) -> None:
     assert out.outputs[0].text.strip()
     two = llm.chat([conversation, conversation], SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(two) == 2
+    assert_engine_idle(llm)
+
+
+def test_chat_options_as_vllm(llm: Any) -> None:
+    conversation = [{"role": "user", "content": "Name a colour."}]
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    template = "{{ prefix }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    (out,) = llm.chat(
+        conversation,
+        params,
+        use_tqdm=False,
+        chat_template=template,
+        chat_template_kwargs={"prefix": "Q: "},
+    )
+    assert out.prompt == "Q: <user>Name a colour."
+    continued = [*conversation, {"role": "assistant", "content": "My favourite is"}]
+    (out,) = llm.chat(
+        continued, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert out.prompt.endswith("<|im_start|>assistant\nMy favourite is")
+    (out,) = llm.chat(conversation, params, use_tqdm=False, add_generation_prompt=False)
+    assert out.prompt.endswith("Name a colour.<|im_end|>\n")
+    assert_engine_idle(llm)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"chat_template": "{% for %}"}, "chat_template"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ({"messages": [{"role": "user", "content": "\udc80"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": ["parts"]}]}, "messages"),
+    ],
+)
+def test_chat_errors_name_the_field(llm: Any, kwargs: dict[str, Any], field: str) -> None:
+    messages = kwargs.pop("messages", [{"role": "user", "content": "Hi"}])
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False, **kwargs)
+    assert_engine_idle(llm)
 
 
 def test_stop_string_ends_request_and_frees_blocks_at_once(llm: Any) -> None:
@@ -109,6 +148,8 @@ def test_logprobs(llm: Any) -> None:
         ("Hi", SamplingParams(max_tokens=600), "max_tokens"),
         (["a", "b"], [SamplingParams()], "2 prompts"),
         ([3.5], None, "prompts must be"),
+        (["fine", "bad \udcff"], None, "^prompt contains a lone surrogate"),
+        ("Hi", SamplingParams(max_tokens=2, logprobs=21), r"^logprobs .*\b20\b"),
     ],
 )
 def test_invalid_input_raises_and_engine_keeps_working(

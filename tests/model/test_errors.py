@@ -14,9 +14,11 @@ from transformers import LlamaConfig
 
 from tests.model.test_llama_hf import COMMON, _random_hf_model
 from tokenloom.config import ModelConfig
+from tokenloom.default_model import DEFAULT_GGUF_NAME, default_model_path
 from tokenloom.model.arch_config import load_arch_config
 from tokenloom.model.attention import AttentionMetadata
-from tokenloom.model.loader import default_model_path, load_model, resolve_model_path
+from tokenloom.model.loader import load_model
+from tokenloom.model.paths import resolve_model_path
 
 
 def _tiny_dir(tmp_path: Path) -> Path:
@@ -33,7 +35,7 @@ def _edit_config(path: Path, **changes) -> None:
 def test_none_is_the_bundled_default() -> None:
     path = resolve_model_path(None)
     assert path == default_model_path()
-    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+    assert path.name == DEFAULT_GGUF_NAME == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
 
 
 def test_missing_path(tmp_path: Path) -> None:

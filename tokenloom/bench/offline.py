@@ -3,8 +3,7 @@
 Prompts go in as token ids with greedy decoding, ``ignore_eos`` and a fixed
 ``max_tokens`` each, so the work done is fully determined by the workload.
 A short warm-up (excluded from timing) runs first, and the prefix cache is
-reset afterwards when the engine allows it, so the warm-up never feeds the
-timed run's cache.
+reset afterwards, so the warm-up never feeds the timed run's cache.
 """
 
 from __future__ import annotations
@@ -14,9 +13,26 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenloom.bench.datasets import BenchRequest
+from tokenloom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenloom.outputs import RequestOutput
+
+
+class OfflineEngine(Protocol):
+    """What the runner needs of ``tokenloom.LLM``."""
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling_params: list[SamplingParams] | SamplingParams,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]: ...
+
+    def reset_prefix_cache(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -48,42 +64,25 @@ def peak_rss_mib() -> float:
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
-def sampling_params_for(requests: Sequence[BenchRequest]) -> list:
-    from tokenloom import SamplingParams
-
+def sampling_params_for(requests: Sequence[BenchRequest]) -> list[SamplingParams]:
     return [
         SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests
     ]
 
 
-def reset_prefix_cache(llm: Any) -> bool:
-    """Best effort: the offline API promises no reset hook, so try the usual owners.
-
-    Without a reset, a repeated workload would hit the cache left by the last run.
-    """
-    client = getattr(llm, "client", None)
-    core = getattr(client, "core", None)
-    owners = (llm, getattr(llm, "llm_engine", None), client, core, getattr(core, "scheduler", None))
-    for owner in owners:
-        fn = getattr(owner, "reset_prefix_cache", None)
-        if callable(fn):
-            return bool(fn() is not False)
-    return False
-
-
-def warmup(llm: Any, num_requests: int = 4, prompt_len: int = 32, max_tokens: int = 8) -> None:
+def warmup(
+    llm: OfflineEngine, num_requests: int = 4, prompt_len: int = 32, max_tokens: int = 8
+) -> None:
     """Run a few tiny requests so lazy initialisation is not timed."""
     if num_requests <= 0:
         return
-    from tokenloom import SamplingParams
-
     prompts = [[100 + i + j for j in range(prompt_len)] for i in range(num_requests)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)
-    reset_prefix_cache(llm)
+    llm.reset_prefix_cache()
 
 
-def run_offline(llm: Any, requests: Sequence[BenchRequest]) -> OfflineResult:
+def run_offline(llm: OfflineEngine, requests: Sequence[BenchRequest]) -> OfflineResult:
     """Generate the whole workload in one ``generate`` call and time it."""
     prompts = [r.prompt_token_ids for r in requests]
     params = sampling_params_for(requests)
@@ -94,7 +93,7 @@ def run_offline(llm: Any, requests: Sequence[BenchRequest]) -> OfflineResult:
         raise RuntimeError(f"expected {len(requests)} outputs, got {len(outputs)}")
     n_in = sum(r.prompt_len for r in requests)
     n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-    cached = sum(max(0, getattr(o, "num_cached_tokens", 0) or 0) for o in outputs)
+    cached = sum(max(0, o.num_cached_tokens) for o in outputs)
     return OfflineResult(
         num_requests=len(requests),
         total_input_tokens=n_in,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
+from tokenloom.default_model import DEFAULT_MODEL_NAME
 
 # Argument name -> the config field that holds it, where the two differ.
 _RENAMED = {"kv_cache_memory_fraction": "memory_fraction"}
@@ -22,10 +23,10 @@ _INT_FIELDS = (
     "max_num_batched_tokens",
     "long_prefill_token_threshold",
     "seed",
+    "max_logprobs",
 )
 _OPTIONAL_INT_FIELDS = ("max_model_len", "num_blocks")
 _BOOL_FIELDS = ("enable_prefix_caching", "enable_chunked_prefill", "log_stats")
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|mps)$")
 
 
@@ -49,10 +50,21 @@ class EngineArgs:
     device: str = "cpu"
     log_stats: bool = True
     served_model_name: str | None = None
+    # Default chat template: a file path or the Jinja template itself (else the model's).
+    chat_template: str | None = None
+    # Most top logprobs a request may ask for.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         self._check_types()
         self.create_configs()
+        self.load_chat_template()
+
+    def load_chat_template(self) -> str | None:
+        """The default chat template's text (``chat_template`` read if it is a path)."""
+        from tokenloom.engine.chat_template import load_chat_template
+
+        return load_chat_template(self.chat_template)
 
     def _check_types(self) -> None:
         def is_int(value: object) -> bool:
@@ -79,6 +91,8 @@ class EngineArgs:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be None or >= 2, got {self.max_model_len}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.served_model_name is not None and not (
             isinstance(self.served_model_name, str) and self.served_model_name
         ):
@@ -172,6 +186,19 @@ class EngineArgs:
             "--log-stats", action=argparse.BooleanOptionalAction, default=d.log_stats
         )
         group.add_argument("--served-model-name", type=str, default=d.served_model_name)
+        group.add_argument(
+            "--chat-template",
+            type=str,
+            default=d.chat_template,
+            help="default chat template: a Jinja file, or the template itself "
+            "(default: the model's own)",
+        )
+        group.add_argument(
+            "--max-logprobs",
+            type=int,
+            default=d.max_logprobs,
+            help="most top logprobs a request may ask for",
+        )
         return parser
 
     @classmethod

@@ -1,30 +1,41 @@
-"""``AsyncLLM``: the asyncio front end the HTTP server is built on.
+"""``AsyncLLM``: the asyncio front end the HTTP server is built on (``EngineClient``).
 
-Prompts are tokenized and validated here, sent to the engine core (its own
-process by default), and the core's token outputs come back through one
+Prompts are tokenized and validated here, in a thread pool so that a huge
+prompt never blocks the event loop, then sent to the engine core (its own
+process by default). The core's token outputs come back through one
 output-handler task that detokenizes them and hands each request's
 ``RequestOutput`` to the ``generate()`` call waiting for it. A consumer that
 stops iterating (a client that disconnects) aborts its request in the core.
+
+With the core in its own process, this process imports no torch: the model
+path, arch config and tokenizer are all read by torch-free code.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
+import os
 import time
-from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from collections.abc import AsyncGenerator, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.engine.args import EngineArgs
 from tokenloom.engine.core_client import AsyncInprocClient, InprocClient, MPClient
 from tokenloom.engine.exceptions import EngineDeadError
-from tokenloom.engine.input_processor import InputProcessor, PromptType, eos_token_ids
+from tokenloom.engine.input_processor import InputProcessor, eos_token_ids
 from tokenloom.engine.messages import CoreOutputs
 from tokenloom.engine.output_processor import OutputProcessor, RequestOutputCollector
+from tokenloom.engine.protocol import ChatOptions, EngineClient, PromptType, RenderedChat
 from tokenloom.metrics.stats import IterationStats, LoggingStatLogger, StatLogger
 from tokenloom.outputs import RequestOutput, SchedulerStats
 from tokenloom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -32,17 +43,20 @@ logger = logging.getLogger(__name__)
 # thousands of requests does not stall other coroutines.
 _OUTPUT_CHUNK = 256
 
+# Threads that tokenize prompts and render chats, off the event loop.
+_INPUT_THREADS = min(4, os.cpu_count() or 1)
+
 AsyncClient = AsyncInprocClient | MPClient
 
 
-class AsyncLLM:
+class AsyncLLM(EngineClient):
     """Serve many concurrent ``generate()`` streams from one engine core."""
 
     def __init__(
         self,
         engine_args: EngineArgs,
         client: AsyncClient,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
         eos_ids: list[int],
         stat_loggers: list[StatLogger] | None = None,
@@ -51,8 +65,18 @@ class AsyncLLM:
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = engine_args.get_served_model_name()
-        self.max_model_len: int = client.max_model_len
-        self.input_processor = InputProcessor(tokenizer, self.max_model_len, vocab_size, eos_ids)
+        self.max_model_len = client.max_model_len
+        self.input_processor = InputProcessor(
+            tokenizer,
+            self.max_model_len,
+            vocab_size,
+            eos_ids,
+            max_logprobs=engine_args.max_logprobs,
+            chat_template=engine_args.load_chat_template(),
+        )
+        self._input_executor = ThreadPoolExecutor(
+            max_workers=_INPUT_THREADS, thread_name_prefix="tokenloom-input"
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self.stat_loggers: list[StatLogger] = [LoggingStatLogger()] if engine_args.log_stats else []
         self.stat_loggers += stat_loggers or []
@@ -70,8 +94,9 @@ class AsyncLLM:
         stat_loggers: list[StatLogger] | None = None,
     ) -> AsyncLLM:
         """Build the engine: the core (own process unless ``multiprocess=False``) and tokenizer."""
+        from tokenloom.engine.core import EngineCore
         from tokenloom.model.arch_config import load_arch_config
-        from tokenloom.model.loader import resolve_model_path
+        from tokenloom.model.paths import resolve_model_path
         from tokenloom.model.tokenizer import load_tokenizer
 
         model_config, cache_config, scheduler_config = engine_args.create_configs()
@@ -90,7 +115,8 @@ class AsyncLLM:
             client = mp_client
         else:
             tokenizer = load_tokenizer(path)
-            client = AsyncInprocClient(InprocClient(model_config, cache_config, scheduler_config))
+            core = EngineCore.from_config(model_config, cache_config, scheduler_config)
+            client = AsyncInprocClient(InprocClient(core))
         eos_ids = eos_token_ids(arch.eos_token_ids, tokenizer)
         return cls(engine_args, client, tokenizer, arch.vocab_size, eos_ids, stat_loggers)
 
@@ -126,10 +152,23 @@ class AsyncLLM:
         if self.errored:
             raise self.dead_error
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
 
     # ------------------------------------------------------------------ requests
+
+    async def render_chat(
+        self, messages: list[dict[str, Any]], options: ChatOptions
+    ) -> RenderedChat:
+        """Apply the chat template in the input thread pool.
+
+        Raises ``ValueError`` starting with the field to blame (``messages``,
+        ``chat_template``, ``chat_template_kwargs``, ...).
+        """
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._input_executor, self.input_processor.render_chat, messages, options
+        )
 
     async def generate(
         self,
@@ -139,17 +178,22 @@ class AsyncLLM:
         *,
         priority: int = 0,
         delta: bool = False,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream outputs of one request; the last has ``finished=True``.
 
-        Raises ``ValueError`` for an invalid request (nothing is queued) and
-        ``EngineDeadError`` when the engine dies.
+        The prompt is tokenized and validated in the input thread pool. Raises
+        ``ValueError`` (naming the field) for an invalid request, before
+        anything is queued, and ``EngineDeadError`` when the engine dies.
         """
         if self.errored or self._closed:
             raise self.dead_error
-        text, requests = self.input_processor.process(
-            request_id, prompt, sampling_params, priority=priority
+        loop = asyncio.get_running_loop()
+        process = functools.partial(
+            self.input_processor.process, request_id, prompt, sampling_params, priority=priority
         )
+        text, requests = await loop.run_in_executor(self._input_executor, process)
+        if self.errored or self._closed:  # it died while we tokenized
+            raise self.dead_error
         collector = RequestOutputCollector(delta)
         self.output_processor.add_request(request_id, text, requests, collector)
         finished = False
@@ -229,4 +273,5 @@ class AsyncLLM:
         if task is not None and not task.done() and not task.get_loop().is_closed():
             task.cancel()
         self.output_processor.propagate_error(EngineDeadError("the engine was shut down"))
+        self._input_executor.shutdown(wait=False, cancel_futures=True)
         self.client.shutdown()

@@ -12,8 +12,11 @@ import dataclasses
 import gc
 import logging
 import time
+from typing import Protocol
 
 from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
+from tokenloom.core.sched.output import SchedulerOutput
+from tokenloom.core.sched.scheduler import Scheduler
 from tokenloom.engine.messages import CoreOutputs, EngineCoreRequest
 from tokenloom.outputs import EngineCoreOutputs, ModelRunnerOutput
 from tokenloom.request import Request, RequestStatus
@@ -21,32 +24,43 @@ from tokenloom.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 _EMPTY_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+# There is one front end, and it is client 0.
+_CLIENT_INDEX = 0
+
+
+class ModelRunnerProtocol(Protocol):
+    """What the core needs from a model runner (``worker.model_runner.ModelRunner``)."""
+
+    # KV cache blocks it allocated (including a reserved null block) and its context length.
+    num_blocks: int
+    max_model_len: int
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; must see every SchedulerOutput, also those with no tokens."""
+        ...
 
 
 class EngineCore:
-    """Owns the model runner (weights, KV cache) and the scheduler.
+    """Steps a model runner (weights, KV cache) and the scheduler together.
 
-    ``max_model_len`` is the runner's context length capped to what the KV
-    cache can hold for one request, so every admitted request can finish.
+    The runner is given, so tests can drive the core with a fake one;
+    ``from_config`` builds the real ``ModelRunner``. ``max_model_len`` is the
+    runner's context length capped to what the KV cache can hold for one
+    request, so every admitted request can finish.
     """
 
     def __init__(
         self,
-        model_config: ModelConfig,
+        runner: ModelRunnerProtocol,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
     ) -> None:
-        from tokenloom.core.sched.scheduler import Scheduler
-        from tokenloom.worker.model_runner import ModelRunner
-
-        started = time.monotonic()
-        self.runner = ModelRunner(model_config, cache_config, scheduler_config)
-        self.num_blocks: int = self.runner.num_blocks
+        self.runner = runner
+        self.num_blocks: int = runner.num_blocks
         self.cache_config = dataclasses.replace(cache_config, num_blocks=self.num_blocks)
         # One block may be reserved by the cache manager (a null block): leave it out.
         cache_tokens = (self.num_blocks - 1) * self.cache_config.block_size
-        self.max_model_len: int = min(self.runner.max_model_len, cache_tokens)
-        self.arch = self.runner.arch
+        self.max_model_len: int = min(runner.max_model_len, cache_tokens)
         # Stats are always on in the core: the front end reads queue lengths from them.
         self.scheduler = Scheduler(
             scheduler_config, self.cache_config, self.max_model_len, log_stats=True
@@ -55,6 +69,23 @@ class EngineCore:
         self._first_scheduled: dict[str, float] = {}
         # Tokens the latest step scheduled (0: it could make no progress).
         self.last_num_scheduled_tokens = 0
+
+    @classmethod
+    def from_config(
+        cls,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+    ) -> EngineCore:
+        """The core over the real ``ModelRunner`` (loads the weights; imports torch)."""
+        from tokenloom.worker.model_runner import ModelRunner
+
+        started = time.monotonic()
+        core = cls(
+            ModelRunner(model_config, cache_config, scheduler_config),
+            cache_config,
+            scheduler_config,
+        )
         # Everything built so far lives as long as the engine: keep it out of the
         # collector's full passes, which otherwise walk it between steps.
         gc.collect()
@@ -62,10 +93,11 @@ class EngineCore:
         logger.info(
             "engine core ready in %.1fs: %d KV blocks of %d tokens, max_model_len %d",
             time.monotonic() - started,
-            self.num_blocks,
-            self.cache_config.block_size,
-            self.max_model_len,
+            core.num_blocks,
+            core.cache_config.block_size,
+            core.max_model_len,
         )
+        return core
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(
@@ -87,6 +119,10 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget cached blocks (see ``Scheduler.reset_prefix_cache``); False if it could not."""
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
 
     def make_stats_output(self) -> CoreOutputs:
         """No tokens, just the scheduler's state (after aborts, so gauges drop at once)."""
@@ -112,8 +148,9 @@ class EngineCore:
             # Also with no tokens: the runner must hear about finished requests.
             runner_output = self.runner.execute_model(scheduler_output)
         per_client = scheduler.update_from_output(scheduler_output, runner_output)
-        outputs = _merge_clients(per_client)
-        outputs.timestamp = time.time()
+        outputs = per_client.get(_CLIENT_INDEX)
+        if outputs is None:
+            outputs = EngineCoreOutputs()
         first_scheduled: dict[str, float] = {}
         for output in outputs.outputs:
             if output.new_token_ids or output.finished:
@@ -124,15 +161,3 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
-
-
-def _merge_clients(per_client: dict[int, EngineCoreOutputs]) -> EngineCoreOutputs:
-    """There is one front end, so outputs for every client index go to it."""
-    if len(per_client) == 1:
-        return next(iter(per_client.values()))
-    merged = EngineCoreOutputs()
-    for outputs in per_client.values():
-        merged.outputs.extend(outputs.outputs)
-        if outputs.scheduler_stats is not None:
-            merged.scheduler_stats = outputs.scheduler_stats
-    return merged

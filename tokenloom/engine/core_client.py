@@ -1,6 +1,7 @@
 """How a front end reaches the engine core: directly, in a thread, or in another process.
 
-- ``InprocClient``: synchronous direct calls (``LLM``, tests).
+- ``InprocClient``: synchronous direct calls (``LLM``, tests); it is given the
+  ``EngineCore`` (``EngineCore.from_config`` for the real model runner).
 - ``AsyncInprocClient``: the same core, stepped in a worker thread so the
   event loop stays responsive (``AsyncLLM(multiprocess=False)``).
 - ``MPClient``: the core in its own process (``core_proc``), ZMQ sockets over
@@ -23,12 +24,12 @@ import threading
 import time
 from collections import deque
 from multiprocessing.connection import wait as wait_for_connections
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
 
 from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
-from tokenloom.engine.core import EngineCore
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.messages import (
     AbortRequests,
@@ -42,17 +43,15 @@ from tokenloom.engine.messages import (
     output_decoder,
 )
 
+if TYPE_CHECKING:
+    from tokenloom.engine.core import EngineCore
+
 
 class InprocClient:
-    """The engine core in this process, called directly."""
+    """An engine core in this process, called directly."""
 
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        scheduler_config: SchedulerConfig,
-    ) -> None:
-        self.core = EngineCore(model_config, cache_config, scheduler_config)
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
         self.num_blocks = self.core.num_blocks
         self.max_model_len = self.core.max_model_len
 
@@ -65,6 +64,9 @@ class InprocClient:
 
     def has_work(self) -> bool:
         return self.core.has_work()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.core.reset_prefix_cache(reset_running_requests)
 
     def step(self) -> CoreOutputs | None:
         return self.core.step()

@@ -79,7 +79,7 @@ def run_engine_core(
     try:
         from tokenloom.engine.core import EngineCore
 
-        core = EngineCore(model_config, cache_config, scheduler_config)
+        core = EngineCore.from_config(model_config, cache_config, scheduler_config)
     except BaseException as exc:
         message = f"engine core failed to start: {type(exc).__name__}: {exc}"
         handshake.send_bytes(encode(StartupError(message + "\n" + traceback.format_exc())))

@@ -15,7 +15,10 @@ start of a stop string that must not reach the client.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Tokens of context the decode window keeps behind the text already emitted.
 _PREFIX_WINDOW = 5
@@ -31,7 +34,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         prompt_token_ids: list[int],
         *,
         skip_special_tokens: bool = True,
@@ -101,11 +104,12 @@ class IncrementalDetokenizer:
             return ""
         if self._backend is not None:
             return self._backend.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
-        return self._tokenizer.decode(
+        text = self._tokenizer.decode(
             token_ids,
             skip_special_tokens=self._skip_special_tokens,
             clean_up_tokenization_spaces=False,
         )
+        return cast(str, text)  # one sequence in, one string out
 
     def _check_stop(self, num_new_chars: int) -> bool:
         """Search the new text and the tail that a stop string could span; cut on a hit."""

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 
-class EngineGenerateError(Exception):
-    """A single request failed; the engine itself is still healthy."""
-
-
 class EngineDeadError(RuntimeError):
     """The engine core stopped (its process died or its loop raised); nothing more will run.
 

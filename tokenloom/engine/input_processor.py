@@ -1,42 +1,63 @@
-"""Prompts in, validated ``EngineCoreRequest``s out.
+"""Prompts in, validated ``EngineCoreRequest``s out; conversations through the chat template.
 
 Runs in the front end, before anything reaches the engine core, so a bad
-request is refused with a ``ValueError`` naming the problem and never disturbs
-the requests already running.
+request is refused with a ``ValueError`` whose message starts with the field
+to blame (``prompt``, ``logprobs``, ``messages``, ...) and never disturbs the
+requests already running. Imports no torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
+from tokenloom.engine.chat_template import is_utf8, render_chat
 from tokenloom.engine.messages import EngineCoreRequest
+from tokenloom.engine.protocol import ChatOptions, PromptType, RenderedChat
 from tokenloom.sampling_params import SamplingParams
 
-PromptType = str | list[int]
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+DEFAULT_MAX_LOGPROBS = 20
 
 
 class InputProcessor:
     """Tokenizes and validates prompts against the model's context and vocabulary.
 
     ``eos_token_ids[0]`` becomes the request's EOS token; the others are added
-    to its stop token ids unless it ignores EOS.
+    to its stop token ids unless it ignores EOS. ``chat_template`` is the
+    engine's default template (``--chat-template``), used before the model's.
     """
 
     def __init__(
-        self, tokenizer: Any, max_model_len: int, vocab_size: int, eos_token_ids: list[int]
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        *,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        chat_template: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
+        self.max_logprobs = max_logprobs
+        self.chat_template = chat_template
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Return ``(prompt text or None, prompt token ids)``."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            if not is_utf8(prompt):
+                raise ValueError(
+                    "prompt contains a lone surrogate (U+D800-U+DFFF), "
+                    "which cannot be encoded as UTF-8"
+                )
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, (list, tuple)):
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -66,6 +87,11 @@ class InputProcessor:
             )
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(
+                f"logprobs ({params.logprobs}) exceeds the engine's limit of {self.max_logprobs} "
+                "(max_logprobs)"
+            )
         text, token_ids = self.tokenize(prompt)
         text = text if prompt_text is None else prompt_text
         self._validate(token_ids, params)
@@ -90,22 +116,9 @@ class InputProcessor:
             for child_id, child_params in children
         ]
 
-    def render_chat(self, conversation: object) -> tuple[str, list[int]]:
-        """Apply the chat template (with the assistant turn opened) to one conversation."""
-        if not isinstance(conversation, list) or not conversation:
-            raise ValueError("a conversation must be a non-empty list of messages")
-        for message in conversation:
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise ValueError('each chat message must be a dict with a string "role"')
-            if not isinstance(message.get("content"), str):
-                raise ValueError('each chat message must have a string "content"')
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("the model's tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=False
-        )
-        # The template already wrote any BOS/special tokens as text.
-        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+    def render_chat(self, messages: object, options: ChatOptions | None = None) -> RenderedChat:
+        """One conversation through the chat template (see ``chat_template.render_chat``)."""
+        return render_chat(self.tokenizer, messages, options or ChatOptions(), self.chat_template)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
@@ -138,7 +151,7 @@ class InputProcessor:
         return dataclasses.replace(params, stop_token_ids=stops)
 
 
-def eos_token_ids(arch_eos_ids: list[int], tokenizer: Any) -> list[int]:
+def eos_token_ids(arch_eos_ids: list[int], tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The model's EOS ids (the checkpoint's first), then the tokenizer's if it differs."""
     ids = list(arch_eos_ids)
     tokenizer_eos = getattr(tokenizer, "eos_token_id", None)

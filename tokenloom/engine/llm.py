@@ -6,16 +6,20 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.engine.args import EngineArgs
 from tokenloom.engine.core_client import InprocClient
-from tokenloom.engine.input_processor import InputProcessor, PromptType, eos_token_ids
+from tokenloom.engine.input_processor import InputProcessor, eos_token_ids
 from tokenloom.engine.messages import EngineCoreRequest
 from tokenloom.engine.output_processor import OutputProcessor
+from tokenloom.engine.protocol import ChatOptions, PromptType
 from tokenloom.metrics.stats import IterationStats, LoggingStatLogger, StatLogger
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Batches at least this large get a progress bar (when use_tqdm is on).
 _TQDM_MIN_PROMPTS = 8
@@ -30,8 +34,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        from tokenloom.engine.core import EngineCore
         from tokenloom.model.arch_config import load_arch_config
-        from tokenloom.model.loader import resolve_model_path
+        from tokenloom.model.paths import resolve_model_path
         from tokenloom.model.tokenizer import load_tokenizer
 
         known = {f.name for f in dataclasses.fields(EngineArgs)}
@@ -43,14 +48,18 @@ class LLM:
         path = resolve_model_path(model)
         arch = load_arch_config(path)
         model_config = dataclasses.replace(model_config, model=str(path))
-        self.tokenizer = load_tokenizer(path)
-        self.client = InprocClient(model_config, cache_config, scheduler_config)
+        chat_template = self.engine_args.load_chat_template()
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(path)
+        core = EngineCore.from_config(model_config, cache_config, scheduler_config)
+        self.client = InprocClient(core)
         self.max_model_len = self.client.max_model_len
         self.input_processor = InputProcessor(
             self.tokenizer,
             self.max_model_len,
             arch.vocab_size,
             eos_token_ids(arch.eos_token_ids, self.tokenizer),
+            max_logprobs=self.engine_args.max_logprobs,
+            chat_template=chat_template,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLogger] = (
@@ -58,7 +67,7 @@ class LLM:
         )
         self._request_counter = itertools.count()
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
 
     def generate(
@@ -78,26 +87,44 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them (chat template applied)."""
+        """Generate replies to one conversation or a list of them, through the chat template.
+
+        ``chat_template`` overrides the engine's (``--chat-template``, else the
+        model's); ``chat_template_kwargs`` become extra template variables. Errors
+        are ``ValueError``s naming the field, raised before anything is queued.
+        """
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = messages if isinstance(messages[0], list) else [messages]
         params_list = _as_params_list(sampling_params, len(conversations))
+        options = ChatOptions(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs if chat_template_kwargs is not None else {},
+        )
         batch = []
         for conversation, params in zip(conversations, params_list, strict=True):
-            text, token_ids = self.input_processor.render_chat(conversation)
+            rendered = self.input_processor.render_chat(conversation, options)
             request_id = self._next_id()
-            batch.append(
-                (
-                    request_id,
-                    *self.input_processor.process(request_id, token_ids, params, prompt_text=text),
-                )
+            text, requests = self.input_processor.process(
+                request_id, rendered.token_ids, params, prompt_text=rendered.text
             )
+            batch.append((request_id, text, requests))
         return self._run(batch, use_tqdm)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget the prefix cache (for example between benchmark runs); False if it could not."""
+        return self.client.reset_prefix_cache(reset_running_requests)
 
     def _next_id(self) -> str:
         return str(next(self._request_counter))

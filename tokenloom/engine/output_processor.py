@@ -14,13 +14,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.engine.messages import EngineCoreRequest
 from tokenloom.metrics.stats import FinishedRequestStats, IterationStats
 from tokenloom.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprobs
 from tokenloom.request import FinishReason
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class RequestOutputCollector:
@@ -88,7 +91,11 @@ class _SequenceState:
     """One completion: a request in the engine core."""
 
     def __init__(
-        self, parent: _ParentState, index: int, request: EngineCoreRequest, tokenizer: Any
+        self,
+        parent: _ParentState,
+        index: int,
+        request: EngineCoreRequest,
+        tokenizer: PreTrainedTokenizerBase,
     ):
         params = request.sampling_params
         self.parent = parent
@@ -217,7 +224,7 @@ class _ParentState:
 class OutputProcessor:
     """Per-request output state for every request in flight."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._tokenizer = tokenizer
         self._parents: dict[str, _ParentState] = {}
         self._sequences: dict[str, _SequenceState] = {}

