@@ -1,14 +1,19 @@
 """tokenloom: a small LLM inference and serving engine."""
 
+from typing import TYPE_CHECKING, Any
+
 from tokenloom.outputs import CompletionOutput, RequestOutput
 from tokenloom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenloom.engine.llm import LLM
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):
-    # LLM pulls in torch; import it only when asked for, so core users stay light.
+def __getattr__(name: str) -> Any:
+    # The engine is imported only when LLM is asked for, so core users stay light.
     if name == "LLM":
         from tokenloom.engine.llm import LLM
 

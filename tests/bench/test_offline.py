@@ -8,7 +8,7 @@ import pytest
 
 from tokenloom import SamplingParams
 from tokenloom.bench.datasets import BenchRequest
-from tokenloom.bench.offline import format_offline, run_offline, warmup
+from tokenloom.bench.offline import format_offline, reset_prefix_cache, run_offline, warmup
 
 
 @dataclass
@@ -69,3 +69,4 @@ def test_warmup_resets_the_prefix_cache():
     prompts, params = llm.calls[0]
     assert len(prompts) == 2 and all(len(p) == 5 for p in prompts)
     assert llm.resets == 1
+    assert reset_prefix_cache(llm) is True and llm.resets == 2

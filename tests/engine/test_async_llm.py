@@ -17,6 +17,7 @@ from tokenloom.engine.args import EngineArgs
 from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.core_client import AsyncInprocClient, InprocClient
+from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.protocol import ChatOptions, EngineClient
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
@@ -153,3 +154,13 @@ async def test_a_slow_chat_template_does_not_block_the_event_loop(engine: AsyncL
     )
     assert took > 0.1, "rendering took no time: the test proves nothing"
     assert stall < took / 2, f"event loop stalled {stall:.2f}s of {took:.2f}s"
+
+
+async def test_after_shutdown_everything_raises_engine_dead(engine: AsyncLLM) -> None:
+    engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        await engine.render_chat([{"role": "user", "content": "Hi"}], ChatOptions())
+    with pytest.raises(EngineDeadError):
+        await collect(engine, "Hi", SamplingParams(max_tokens=1))
+    with pytest.raises(EngineDeadError):
+        await engine.check_health()

@@ -70,6 +70,11 @@ def sampling_params_for(requests: Sequence[BenchRequest]) -> list[SamplingParams
     ]
 
 
+def reset_prefix_cache(llm: OfflineEngine) -> bool:
+    """Forget the prefix cache, so a repeated workload starts cold; False if it could not."""
+    return llm.reset_prefix_cache()
+
+
 def warmup(
     llm: OfflineEngine, num_requests: int = 4, prompt_len: int = 32, max_tokens: int = 8
 ) -> None:
@@ -79,7 +84,7 @@ def warmup(
     prompts = [[100 + i + j for j in range(prompt_len)] for i in range(num_requests)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)
-    llm.reset_prefix_cache()
+    reset_prefix_cache(llm)
 
 
 def run_offline(llm: OfflineEngine, requests: Sequence[BenchRequest]) -> OfflineResult:

@@ -163,8 +163,11 @@ class AsyncLLM(EngineClient):
         """Apply the chat template in the input thread pool.
 
         Raises ``ValueError`` starting with the field to blame (``messages``,
-        ``chat_template``, ``chat_template_kwargs``, ...).
+        ``chat_template``, ``chat_template_kwargs``, ...), and ``EngineDeadError``
+        once the engine is gone.
         """
+        if self.errored or self._closed:
+            raise self.dead_error
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._input_executor, self.input_processor.render_chat, messages, options

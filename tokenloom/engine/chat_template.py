@@ -96,7 +96,7 @@ def render_chat(
         raise _blame(exc, tokenizer, conversation, template, options) from None
     if not is_utf8(text):
         field = "chat_template" if options.chat_template else "messages"
-        raise ValueError(f"{field}: the chat template wrote text that is not valid UTF-8")
+        raise ValueError(f"{field} rendered to text with a lone surrogate (not valid UTF-8)")
     return RenderedChat(text, list(tokenizer.encode(text, add_special_tokens=False)))
 
 
