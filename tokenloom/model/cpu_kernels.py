@@ -36,9 +36,11 @@ def kernels_enabled() -> bool:
     return os.environ.get("TOKENLOOM_CPU_KERNELS", "1") != "0"
 
 
-def _host_key() -> str:
-    """Identifies the instruction set the build targets."""
-    text = platform.machine()
+def _build_key() -> str:
+    """Identifies the build: the host's instruction set (the code is compiled with
+    ``-march=native``) and where the sources live, so two checkouts never share a
+    build directory (each would rebuild it for its own source paths)."""
+    text = platform.machine() + str(_SOURCES[0].parent)
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         lines = cpuinfo.read_text().splitlines()
@@ -51,7 +53,7 @@ def _load() -> bool:
     """Build (or reuse) and load the extension once per process; False if it fails."""
     from torch.utils import cpp_extension
 
-    build_dir = Path.home() / ".cache" / "tokenloom" / "kernels" / _host_key()
+    build_dir = Path.home() / ".cache" / "tokenloom" / "kernels" / _build_key()
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         cpp_extension.load(
