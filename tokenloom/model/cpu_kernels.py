@@ -8,8 +8,8 @@ had without a C++ compiler, after a failed build, or with
 ``TOKENLOOM_CPU_KERNELS=0``; callers then use the pure-torch path, which gives
 the same results more slowly. The build (about a minute, once
 per machine) is cached under ``~/.cache/tokenloom/kernels``; the directory is
-keyed by the CPU's model and flags because the code is compiled for the host
-(``-march=native``).
+keyed by the CPU's model and flags, because the code is compiled for the host
+(``-march=native``), and by the checkout whose sources it builds.
 """
 
 from __future__ import annotations
