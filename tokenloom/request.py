@@ -94,7 +94,7 @@ class Request:
 
     __slots__ = (
         "request_id", "status", "num_computed_tokens", "spec_token_ids", "all_token_ids",
-        "output_token_ids", "stopping_token_ids", "_length_end", "client_index",
+        "output_token_ids", "stopping_token_ids", "_open_below", "_open_for", "client_index",
         "num_cached_tokens", "sampling_params", "eos_token_id", "arrival_time", "priority",
         "stop_reason", "prompt_token_ids", "num_prompt_tokens", "num_preemptions", "max_tokens",
         "min_tokens", "block_hashes",
@@ -125,8 +125,13 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.stopping_token_ids = stopping_token_ids(sampling_params, eos_token_id)
-        # len(all_token_ids) at which max_tokens is reached (a constant).
-        self._length_end = sys.maxsize if max_tokens is None else len(prompt_token_ids) + max_tokens
+        # While len(output_token_ids) < _open_below, one more token reaches neither
+        # max_tokens nor max_model_len (= _open_for): a constant the slow path of
+        # append_output_token_ids computes for the max_model_len it is given.
+        # (Output counts are mostly small cached ints; total lengths would be new
+        # int objects each step.)
+        self._open_below = 0
+        self._open_for = 0
         self.client_index = client_index
         self.num_cached_tokens = -1
 
@@ -170,22 +175,24 @@ class Request:
         the finishing token; the rest is dropped), with ``status`` and
         ``stop_reason`` set.
         """
-        all_ids = self.all_token_ids
         if len(token_ids) == 1:
             # The decode step of almost every request: a token that neither
             # stops nor reaches a length cap is appended with nothing else.
             token = token_ids[0]
-            end = len(all_ids) + 1
-            if end < self._length_end and end < max_model_len:
+            output = self.output_token_ids
+            if max_model_len == self._open_for and len(output) < self._open_below:
                 if token not in self.stopping_token_ids:
-                    all_ids.append(token)
-                    self.output_token_ids.append(token)
+                    output.append(token)
+                    self.all_token_ids.append(token)
                     return None
         elif not token_ids:
             return None
         return self._append_until_finish(token_ids, max_model_len)
 
     def _append_until_finish(self, token_ids: list[int], max_model_len: int) -> list[int] | None:
+        if max_model_len != self._open_for:
+            self._open_for = max_model_len
+            self._open_below = min(self.max_tokens, max_model_len - self.num_prompt_tokens) - 1
         num_out = len(self.output_token_ids)
         # Index of the first token that reaches a length cap (the first token at
         # the latest: a request always gets at least one).

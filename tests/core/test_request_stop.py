@@ -112,6 +112,14 @@ def test_max_model_len_caps_prompt_plus_output() -> None:
     assert full.status == LENGTH
 
 
+def test_the_length_cap_follows_the_max_model_len_given() -> None:
+    request = _request(prompt_len=3, max_tokens=None)
+    assert request.append_output_token_ids([5], 100) is None
+    assert request.append_output_token_ids([6], 100) is None
+    assert request.append_output_token_ids([7], 6) == [7]  # 6 tokens: at a cap of 6
+    assert request.status == LENGTH
+
+
 def test_an_empty_list_changes_nothing() -> None:
     request = _request(prompt_len=6, max_tokens=None)
     assert request.append_output_token_ids([], 6) is None
