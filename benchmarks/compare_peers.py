@@ -558,10 +558,9 @@ def main() -> None:
             [sys.executable, str(PEERS / "export_hf.py"), "--out", str(args.hf_model)], check=True
         )
     if args.gguf is None:
-        sys.path.insert(0, str(PEERS))
-        from export_hf import default_gguf_path
+        from tokenloom.default_model import default_model_path
 
-        args.gguf = str(default_gguf_path())
+        args.gguf = str(default_model_path())
 
     from transformers import AutoTokenizer
 

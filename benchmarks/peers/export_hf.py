@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 # compare_peers.py finds the GGUF through this name.
-from tokenloom.default_model import default_model_path as default_gguf_path
+from tokenloom.default_model import default_model_path
 
 
 def export(gguf: Path, out: Path, dtype: str) -> Path:
@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(".bench/smollm2-hf"))
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args()
-    out = export(args.gguf or default_gguf_path(), args.out, args.dtype)
+    out = export(args.gguf or default_model_path(), args.out, args.dtype)
     print(f"wrote {out}")
 
 
