@@ -19,7 +19,7 @@ import torch
 
 from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
 from tokenloom.core.sched.scheduler import Scheduler
-from tokenloom.request import Request
+from tokenloom.request import Request, RequestStatus
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.worker.model_runner import ModelRunner
 
@@ -348,3 +348,26 @@ def test_seeded_sampling_ignores_batch_and_logprobs_are_reported(
         assert entry.logprobs[0] <= entry.logprobs[1] + 1e-5  # the top-1 is the most likely
         if token == entry.token_ids[1]:
             assert entry.logprobs[0] == pytest.approx(entry.logprobs[1], abs=1e-5)
+
+
+def test_min_tokens_ban_and_stop_check_agree_on_the_model(
+    runner: ModelRunner, prompts: list[list[int]]
+) -> None:
+    """The model's first greedy token, made a stop id with min_tokens=3, is banned for
+    three outputs (the runner) and finishes the request when it comes later (the
+    scheduler): both sides use the request's one stop set."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    free, _ = run_requests(runner, [Request("free", prompts[1], greedy)])
+    first = free["free"][0]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[first], min_tokens=3
+    )
+    request = Request("min", prompts[1], params)
+    out, _ = run_requests(runner, [request])
+    tokens = out["min"]
+    assert first not in tokens[:3]
+    if first in tokens:
+        assert tokens.index(first) == len(tokens) - 1
+        assert request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason == first
+    else:
+        assert len(tokens) == 8 and request.status == RequestStatus.FINISHED_LENGTH_CAPPED
