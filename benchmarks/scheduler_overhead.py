@@ -213,7 +213,7 @@ def _tree_label(tree: Path) -> str:
 def compare(base: Path, args: argparse.Namespace) -> None:
     """Interleaved subprocess runs of ``base`` and this tree; medians and ratios."""
     trees = {"base": base.resolve(), "current": HERE}
-    workloads = [str(n) for n in args.sizes] + ["mixed"]
+    workloads = [str(n) for n in args.sizes] + (["mixed"] if args.mixed_steps else [])
     flags = ["--steps", str(args.steps), "--mixed-steps", str(args.mixed_steps)]
     flags += ["--wall"] * args.wall + ["--freeze-gc"] * args.freeze_gc
     runs: dict[tuple[str, str], list[dict[str, float]]] = {}
@@ -275,7 +275,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--mixed-steps", type=int, default=2000)
+    parser.add_argument("--mixed-steps", type=int, default=2000, help="0: no mixed workload")
     parser.add_argument("--profile", type=int, metavar="N", help="cProfile N steady requests")
     parser.add_argument("--wall", action="store_true", help="wall clock instead of CPU time")
     parser.add_argument(
@@ -318,6 +318,8 @@ def main() -> None:
             f"{n:>6} {r['us_per_step']:>10.1f} {r['us_per_req']:>8.2f} "
             f"{100 * r['schedule_share']:>9.0f}%"
         )
+    if not args.mixed_steps:
+        return
     r = measure_mixed(args.mixed_steps, max(1, args.repeats // 2))
     print(
         f"mixed (Poisson 2/step, 256 seqs, 2048 tokens): {r['us_per_step']:.1f} us/step, "
