@@ -130,7 +130,16 @@ async def run_streams(
 # ------------------------------------------------------------------ main
 
 
-def measure(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
+def _start_py_spy(output: Path, pid: int) -> subprocess.Popen[bytes]:
+    """Sample the server process's GIL holder (py-spy --gil) without pausing it."""
+    exe = Path(sys.executable).with_name("py-spy")
+    command = [str(exe) if exe.exists() else "py-spy", "record", "--pid", str(pid)]
+    command += ["--gil", "--nonblocking", "--rate", "200"]
+    command += ["--format", "raw", "--output", str(output)]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def measure(args: argparse.Namespace, base_url: str, server_pid: int) -> dict[str, Any]:
     prompt = huge_prompt(args.prompt_mb)
     body = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
     streams_started, stop_streams = threading.Event(), threading.Event()
@@ -158,12 +167,16 @@ def measure(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         if not probe_ready.wait(args.timeout_s):
             raise TimeoutError("the /health prober did not start")
         time.sleep(args.baseline_s)
+        spy = _start_py_spy(args.py_spy, server_pid) if args.py_spy else None
         sent_at = time.time()
         with httpx.Client(base_url=base_url, timeout=args.timeout_s) as client:
             r = client.post(
                 "/v1/completions", content=body, headers={"content-type": "application/json"}
             )
         answered_at = time.time()
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(timeout=60)
     finally:
         stop_probe.set()
         probes: list[tuple[float, float]] = receiver.recv()
@@ -173,6 +186,10 @@ def measure(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
 
     baseline = [lat for t, lat in probes if t < sent_at]
     during = [lat for t, lat in probes if sent_at <= t <= answered_at]
+    slow = sorted(
+        ((lat, t - sent_at) for t, lat in probes if sent_at <= t <= answered_at and lat > 0.1),
+        reverse=True,
+    )
     error = r.json().get("error", {}) if r.status_code != 200 else {}
     return {
         "streams": args.streams,
@@ -187,6 +204,9 @@ def measure(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         },
         "baseline": summary(baseline),
         "during": summary(during),
+        "during_over_100ms": len(slow),
+        # The slowest probes: (latency ms, seconds after the huge request was sent).
+        "slowest": [(round(lat * 1000), round(at, 2)) for lat, at in slow[:8]],
         "failed_probes": sum(1 for _, lat in probes if lat == float("inf")),
     }
 
@@ -203,6 +223,9 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=300.0, help="bound on each wait")
     ap.add_argument("--log", type=Path, default=ROOT / ".bench" / "health-latency-server.log")
     ap.add_argument("--json", type=Path, help="also write the result here")
+    ap.add_argument(
+        "--py-spy", type=Path, help="profile the server's GIL holder during the huge request"
+    )
     args = ap.parse_args()
 
     base_url = f"http://127.0.0.1:{args.port}"
@@ -217,7 +240,7 @@ def main() -> None:
         )
         try:
             wait_healthy(base_url, server, timeout_s=args.timeout_s)
-            result = measure(args, base_url)
+            result = measure(args, base_url, server.pid)
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             try:

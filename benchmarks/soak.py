@@ -89,7 +89,7 @@ def good_request(rng: random.Random, model: str) -> Planned:
     body: dict[str, Any] = {
         "model": model,
         "n": n,
-        "max_tokens": rng.randint(1, 48),
+        "max_tokens": rng.randint(1, 16),
         "stream": stream,
         "temperature": rng.choice([0.0, 0.7, 1.0]),
         "top_p": rng.choice([1.0, 0.9]),
@@ -253,7 +253,7 @@ async def client_loop(
         while time.monotonic() < deadline:
             if rng.random() < BAD_SHARE:
                 name = rng.choice(sorted(bad))
-                if name == "oversized_body" and rng.random() < 0.8:
+                if name == "oversized_body" and rng.random() < 0.5:
                     name = "n_100000"  # 16 MiB uploads are costly on a shared CPU; keep them rare
                 path, make = bad[name]
                 planned = Planned(f"bad:{name}", path, make())
@@ -326,7 +326,16 @@ async def soak(args: argparse.Namespace, base_url: str, pid: int | None) -> dict
     ]
     await asyncio.sleep(max(0.0, warmup_at - time.monotonic()))
     rss_warm = rss_mb(pid)
+    timeline: list[tuple[float, dict[str, float]]] = []
+
+    async def sample_rss() -> None:
+        while True:
+            timeline.append((round(time.monotonic() - start), rss_mb(pid)))
+            await asyncio.sleep(30)
+
+    sampler = asyncio.create_task(sample_rss())
     done, pending = await asyncio.wait(clients, timeout=args.minutes * 60 + args.grace_s)
+    sampler.cancel()
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
@@ -354,6 +363,7 @@ async def soak(args: argparse.Namespace, base_url: str, pid: int | None) -> dict
         "seconds_until_idle": idle_wait,
         "rss_mb": {"start": rss_start, "after_warmup": rss_warm, "end": rss_end},
         "rss_growth_after_warmup_mb": growth,
+        "rss_timeline_s_mb": timeline,
     }
 
 

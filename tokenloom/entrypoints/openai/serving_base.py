@@ -241,7 +241,7 @@ class OpenAIServing:
         aliases = (self.model_name, self.engine.model_name)
         if model is not None and model not in aliases:
             raise OpenAIError(
-                f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                f"the model {model[:100]!r} does not exist; this server serves '{self.model_name}'",
                 param="model",
             )
 
