@@ -318,3 +318,16 @@ async def test_prompt_batches_are_bounded(client: httpx.AsyncClient, engine: Fak
     r = await client.post(COMPLETIONS, json=body_for(COMPLETIONS, prompt=["a"] * 16, n=128))
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 2048
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize(
+    ("field", "value"), [("stop", ["x"] * 129), ("stop_token_ids", list(range(1025)))]
+)
+async def test_stop_lists_are_bounded(
+    client: httpx.AsyncClient, path: str, field: str, value: list[Any]
+) -> None:
+    # Every generated token is checked against each of them.
+    await rejected(client, path, param=field, json_body=body_for(path, **{field: value}))
+    ok = await client.post(path, json=body_for(path, **{field: value[:-1]}))
+    assert ok.status_code == 200, ok.text

@@ -33,6 +33,10 @@ MAX_CHAT_TOP_LOGPROBS = 20
 # Each completion is an engine request: a batch of a million one-character
 # prompts would otherwise queue a million of them.
 MAX_SEQUENCES_PER_REQUEST = 2048
+# Every generated token is checked against every stop string (on the event
+# loop) and stop token id (in the engine step), so their number is bounded.
+MAX_STOP_STRINGS = 128
+MAX_STOP_TOKEN_IDS = 1024
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -63,8 +67,8 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float | None = _documented(minimum=-2, maximum=2)
     frequency_penalty: float | None = _documented(minimum=-2, maximum=2)
     repetition_penalty: float | None = _documented(exclusiveMinimum=0)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = _documented(maxItems=MAX_STOP_STRINGS)
+    stop_token_ids: list[int] | None = _documented(maxItems=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = _documented(0, minimum=0, maximum=INT64_MAX)
     skip_special_tokens: bool = True
@@ -90,6 +94,12 @@ class _SamplingRequest(BaseModel):
             raise OpenAIError(f"n must be at most {MAX_N}, got {self.n}", param="n")
         if not INT64_MIN <= self.priority <= INT64_MAX:
             raise OpenAIError("priority must be a 64-bit integer", param="priority")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise OpenAIError(f"stop may hold at most {MAX_STOP_STRINGS} strings", param="stop")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise OpenAIError(
+                f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids"
+            )
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Build SamplingParams; its ValueError (naming the field) propagates."""
