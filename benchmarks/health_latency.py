@@ -37,7 +37,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
-from _common import wait_healthy  # noqa: E402  (stdlib-only helpers of the peer workers)
+from _common import serving  # noqa: E402  (stdlib-only helpers of the peer workers)
 
 WORDS = "the of and to in is was for on that with as by at from his her an which are".split()
 
@@ -233,20 +233,8 @@ def main() -> None:
         sys.executable, "-m", "tokenloom.entrypoints.cli", "serve",
         "--host", "127.0.0.1", "--port", str(args.port), *shlex.split(args.serve_args),
     ]  # fmt: skip
-    args.log.parent.mkdir(parents=True, exist_ok=True)
-    with args.log.open("w") as log:
-        server = subprocess.Popen(
-            serve_cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            wait_healthy(base_url, server, timeout_s=args.timeout_s)
-            result = measure(args, base_url, server.pid)
-        finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
+    with serving(serve_cmd, base_url, args.log, ROOT, timeout_s=args.timeout_s) as server:
+        result = measure(args, base_url, server.pid)
     result["command"] = "python benchmarks/health_latency.py " + shlex.join(sys.argv[1:])
     result["cpu"] = _cpu_model()
     result["cpus"] = os.cpu_count()

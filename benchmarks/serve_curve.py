@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +21,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
-from _common import wait_healthy  # noqa: E402  (stdlib-only helpers of the peer workers)
+from _common import serving  # noqa: E402  (stdlib-only helpers of the peer workers)
 
 
 def run_level(args: argparse.Namespace, base_url: str, concurrency: int) -> dict[str, Any]:
@@ -130,17 +128,8 @@ def main() -> None:
         sys.executable, "-m", "tokenloom.entrypoints.cli", "serve",
         "--port", str(args.port), *shlex.split(args.serve_args),
     ]  # fmt: skip
-    log = (args.workdir / "server.log").open("w")
-    server = subprocess.Popen(
-        serve_cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        wait_healthy(base_url, server)
+    with serving(serve_cmd, base_url, args.workdir / "server.log", ROOT):
         rows = [run_level(args, base_url, c) for c in args.concurrencies]
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
-        log.close()
     (args.workdir / "curve.json").write_text(json.dumps(rows, indent=2))
     args.out_md.write_text(write_table(rows, command, args))
     plot(rows, args.out_png)

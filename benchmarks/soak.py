@@ -25,8 +25,6 @@ import json
 import os
 import random
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -42,7 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
-from _common import wait_healthy  # noqa: E402  (stdlib-only helpers of the peer workers)
+from _common import serving  # noqa: E402  (stdlib-only helpers of the peer workers)
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -383,13 +381,12 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the result here")
     args = ap.parse_args()
 
-    server: subprocess.Popen[bytes] | None = None
     if args.base_url:
         base_url = args.base_url.rstrip("/")
         parsed = urlparse(base_url)
         if parsed.hostname not in LOOPBACK:
             raise SystemExit(f"--base-url must be a loopback address, got {parsed.hostname}")
-        pid = listening_pid(parsed.port or 80)
+        result = asyncio.run(soak(args, base_url, listening_pid(parsed.port or 80)))
     else:
         base_url = f"http://127.0.0.1:{args.port}"
         serve_cmd = [
@@ -397,23 +394,8 @@ def main() -> None:
             "--host", "127.0.0.1", "--port", str(args.port),
             "--max-request-bytes", str(args.max_request_bytes), *shlex.split(args.serve_args),
         ]  # fmt: skip
-        args.log.parent.mkdir(parents=True, exist_ok=True)
-        log = args.log.open("wb")
-        server = subprocess.Popen(
-            serve_cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        pid = server.pid
-    try:
-        if server is not None:
-            wait_healthy(base_url, server)
-        result = asyncio.run(soak(args, base_url, pid))
-    finally:
-        if server is not None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
+        with serving(serve_cmd, base_url, args.log, ROOT) as server:
+            result = asyncio.run(soak(args, base_url, server.pid))
     result["command"] = "python benchmarks/soak.py " + shlex.join(sys.argv[1:])
     result["cpus"] = os.cpu_count()
     text = json.dumps(result, indent=2)

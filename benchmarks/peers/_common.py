@@ -13,12 +13,14 @@ where a run is {"wall_s", "output_tokens": [per request], "cached_tokens",
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,29 @@ def wait_healthy(
             pass
         time.sleep(0.5)
     raise TimeoutError(f"{name} at {base_url} not healthy after {timeout_s:.0f} s")
+
+
+@contextlib.contextmanager
+def serving(
+    cmd: list[str], base_url: str, log_path: Path, cwd: Path, timeout_s: float = 300.0
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run a server command in its own session (output to ``log_path``) until it is
+    healthy; on exit stop its whole process group, killing it if it lingers."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(
+            cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            wait_healthy(base_url, server, timeout_s=timeout_s)
+            yield server
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
 
 
 def load_workload(path: str) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ All against the model-free fake engine; bodies are written by hand where
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,19 +16,14 @@ import httpx
 import pytest
 
 from tokenloom.entrypoints.openai.server import build_app
+from tokenloom.sampling_params import SamplingParams
 
 from .fake_engine import FakeAsyncLLM
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-FLOAT_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
+# Every float sampling parameter, read from the dataclass so a new one is covered too.
+FLOAT_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.type == "float")
 NON_FINITE = ("NaN", "Infinity", "-Infinity")
 LIMIT = 512 * 1024  # --max-request-bytes of the app under test
 
