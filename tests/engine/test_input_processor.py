@@ -107,3 +107,18 @@ def test_logprobs_above_max_logprobs_are_refused(tokenizer: Any) -> None:
 def test_eos_token_ids_helper(tokenizer: Any) -> None:
     assert eos_token_ids([5], tokenizer) == [5, tokenizer.eos_token_id]
     assert eos_token_ids([tokenizer.eos_token_id], tokenizer) == [tokenizer.eos_token_id]
+
+
+@pytest.mark.parametrize("text", ["hello world", "<|im_start|>user\nhi<|im_end|>", "émoji 🎉 中文"])
+def test_text_prompts_tokenize_as_the_tokenizer_does(
+    inputs: InputProcessor, tokenizer: Any, text: str
+) -> None:
+    assert inputs.tokenize(text) == (text, tokenizer.encode(text))
+
+
+def test_an_overlong_text_prompt_is_refused_with_its_true_length(
+    inputs: InputProcessor, tokenizer: Any
+) -> None:
+    text = "the quick brown fox " * 500
+    with pytest.raises(ValueError, match=rf"^prompt is {len(tokenizer.encode(text))} tokens"):
+        inputs.tokenize(text)

@@ -35,7 +35,7 @@ from tokenloom.outputs import RequestOutput, SchedulerStats
 from tokenloom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class AsyncLLM(EngineClient):
         self,
         engine_args: EngineArgs,
         client: AsyncClient,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: PreTrainedTokenizerFast,
         vocab_size: int,
         eos_ids: list[int],
         stat_loggers: list[StatLogger] | None = None,
@@ -152,7 +152,7 @@ class AsyncLLM(EngineClient):
         if self.errored:
             raise self.dead_error
 
-    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+    def get_tokenizer(self) -> PreTrainedTokenizerFast:
         return self.tokenizer
 
     # ------------------------------------------------------------------ requests

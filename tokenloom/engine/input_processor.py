@@ -18,7 +18,7 @@ from tokenloom.engine.protocol import ChatOptions, PromptType, RenderedChat
 from tokenloom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerFast
 
 DEFAULT_MAX_LOGPROBS = 20
 
@@ -33,7 +33,7 @@ class InputProcessor:
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: PreTrainedTokenizerFast,
         max_model_len: int,
         vocab_size: int,
         eos_token_ids: list[int],
@@ -58,7 +58,13 @@ class InputProcessor:
                     "prompt contains a lone surrogate (U+D800-U+DFFF), "
                     "which cannot be encoded as UTF-8"
                 )
-            return prompt, list(self.tokenizer.encode(prompt))
+            # The Rust tokenizer works without the GIL; only a prompt that can fit
+            # becomes a Python list (a 10 MB prompt's millions of ids would hold the
+            # GIL, and so the event loop, for a second or more).
+            encoding = self.tokenizer.backend_tokenizer.encode(prompt)
+            if len(encoding) >= self.max_model_len:
+                raise ValueError(self._no_room(len(encoding)))
+            return prompt, encoding.ids
         if isinstance(prompt, (list, tuple)):
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 raise ValueError("prompt token ids must be a list of integers")
@@ -130,10 +136,7 @@ class InputProcessor:
             )
         num = len(token_ids)
         if num >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {num} tokens, which leaves no room to generate within the "
-                f"maximum context length of {self.max_model_len} tokens"
-            )
+            raise ValueError(self._no_room(num))
         if params.max_tokens is not None and num + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({num} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -141,6 +144,12 @@ class InputProcessor:
             )
         if params.stop_token_ids and any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
+
+    def _no_room(self, num_tokens: int) -> str:
+        return (
+            f"prompt is {num_tokens} tokens, which leaves no room to generate within the "
+            f"maximum context length of {self.max_model_len} tokens"
+        )
 
     def _with_eos_stops(self, params: SamplingParams) -> SamplingParams:
         extra = self.eos_token_ids[1:]
@@ -151,7 +160,7 @@ class InputProcessor:
         return dataclasses.replace(params, stop_token_ids=stops)
 
 
-def eos_token_ids(arch_eos_ids: list[int], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def eos_token_ids(arch_eos_ids: list[int], tokenizer: PreTrainedTokenizerFast) -> list[int]:
     """The model's EOS ids (the checkpoint's first), then the tokenizer's if it differs."""
     ids = list(arch_eos_ids)
     tokenizer_eos = getattr(tokenizer, "eos_token_id", None)

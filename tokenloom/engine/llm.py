@@ -19,7 +19,7 @@ from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerFast
 
 # Batches at least this large get a progress bar (when use_tqdm is on).
 _TQDM_MIN_PROMPTS = 8
@@ -49,7 +49,7 @@ class LLM:
         arch = load_arch_config(path)
         model_config = dataclasses.replace(model_config, model=str(path))
         chat_template = self.engine_args.load_chat_template()
-        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(path)
+        self.tokenizer: PreTrainedTokenizerFast = load_tokenizer(path)
         core = EngineCore.from_config(model_config, cache_config, scheduler_config)
         self.client = InprocClient(core)
         self.max_model_len = self.client.max_model_len
@@ -67,7 +67,7 @@ class LLM:
         )
         self._request_counter = itertools.count()
 
-    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+    def get_tokenizer(self) -> PreTrainedTokenizerFast:
         return self.tokenizer
 
     def generate(

@@ -16,7 +16,7 @@ from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerFast
 
     from tokenloom.metrics.stats import StatLogger
 
@@ -52,7 +52,7 @@ class EngineClient(Protocol):
 
     model_name: str
     max_model_len: int
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerFast
     stat_loggers: list[StatLogger]
 
     @property
