@@ -58,10 +58,11 @@ class InputProcessor:
                     "prompt contains a lone surrogate (U+D800-U+DFFF), "
                     "which cannot be encoded as UTF-8"
                 )
-            # The Rust tokenizer works without the GIL; only a prompt that can fit
-            # becomes a Python list (a 10 MB prompt's millions of ids would hold the
-            # GIL, and so the event loop, for a second or more).
-            encoding = self.tokenizer.backend_tokenizer.encode(prompt)
+            # The Rust tokenizer's batch call works without the GIL (its single-text
+            # encode holds it throughout), and only a prompt that can fit becomes a
+            # Python list: a 10 MB prompt's millions of ids would hold the GIL, and
+            # so the event loop, for a second or more.
+            (encoding,) = self.tokenizer.backend_tokenizer.encode_batch_fast([prompt])
             if len(encoding) >= self.max_model_len:
                 raise ValueError(self._no_room(len(encoding)))
             return prompt, encoding.ids
