@@ -7,6 +7,7 @@ at the same position of the full sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,7 @@ def run_step(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     allocator: BlockAllocator,
     schedule: list[tuple[Seq, int]],
+    native_op: Callable[..., None] | None = None,
 ) -> list[torch.Tensor]:
     """Run one step; returns, per scheduled seq, logits [n_new, vocab] (float32)."""
     bs = allocator.block_size
@@ -60,7 +62,7 @@ def run_step(
     for i, (seq, _) in enumerate(schedule):
         table[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids, dtype=torch.int32)
     meta = AttentionMetadata.build(
-        query_lens, seq_lens, table, torch.tensor(slots, dtype=torch.long), bs
+        query_lens, seq_lens, table, torch.tensor(slots, dtype=torch.long), bs, native_op
     )
     with torch.inference_mode():
         hidden = model(torch.tensor(ids), torch.tensor(positions), kv_caches, meta)

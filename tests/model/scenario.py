@@ -10,6 +10,8 @@ Four sequences over block size 4:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tests.model.harness import BlockAllocator, Seq, run_step
@@ -31,6 +33,7 @@ def run_scenario(
     model: torch.nn.Module,
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     seqs: dict[str, Seq],
+    native_op: Callable[..., None] | None = None,
 ) -> dict[str, list[tuple[int, torch.Tensor]]]:
     """Returns per sequence a list of (first position, logits rows) computed."""
     alloc = BlockAllocator(BLOCK_SIZE)
@@ -50,7 +53,7 @@ def run_scenario(
     for schedule in steps:
         starts = [seq.num_computed for seq, _ in schedule]
         for (seq, _), start, logits in zip(
-            schedule, starts, run_step(model, kv_caches, alloc, schedule), strict=True
+            schedule, starts, run_step(model, kv_caches, alloc, schedule, native_op), strict=True
         ):
             results[names[id(seq)]].append((start, logits))
     for name, seq in seqs.items():

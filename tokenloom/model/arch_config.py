@@ -6,6 +6,9 @@ the metadata of a ``.gguf`` file. Both spellings of RoPE settings are accepted:
 transformers 5's ``rope_parameters`` and the older ``rope_theta`` +
 ``rope_scaling``. ``rope_scaling`` is normalised to None (plain RoPE) or a dict
 with a ``rope_type`` key among ``SUPPORTED_ROPE_TYPES``.
+
+Family-specific settings (Gemma's soft-capping and per-layer sliding windows,
+Qwen3's q/k norms, Phi-3's long-rope factors) are read by ``arch_families``.
 """
 
 from __future__ import annotations
@@ -15,15 +18,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+)
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # "freq_factors" is llama.cpp's way of storing llama3 scaling: per-frequency divisors.
-SUPPORTED_ROPE_TYPES = ("linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("linear", "llama3", "freq_factors", "yarn", "dynamic", "longrope")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -46,9 +62,30 @@ class ModelArchConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: list[int] = field(default_factory=list)
-    # Mistral-style sliding window; max_position_embeddings is already capped to
-    # it, so every context fits inside the window and full attention is exact.
+    # Window of the sliding-window layers (the last ``sliding_window`` positions,
+    # the query's own included); ``layer_windows[i]`` is layer i's window or None
+    # for full attention (an empty tuple: every layer full).
     sliding_window: int | None = None
+    layer_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 when set (Gemma),
+    # else head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None
+    partial_rotary_factor: float = 1.0  # share of head_dim that RoPE rotates
+    # RoPE of the sliding-window layers when it differs from the global one (Gemma 3).
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def attention_scale(self) -> float:
+        base = self.query_pre_attn_scalar if self.query_pre_attn_scalar else self.head_dim
+        return float(base) ** -0.5
 
 
 def load_arch_config(path: str | Path) -> ModelArchConfig:
@@ -80,6 +117,9 @@ def _normalise_rope(rope: dict[str, Any] | None, source: str) -> dict[str, Any] 
     rope = dict(rope)
     rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
     rope.pop("rope_theta", None)
+    rope.pop("partial_rotary_factor", None)
+    if rope_type == "su":  # Phi-3's first name for longrope
+        rope_type = "longrope"
     if rope_type == "default":
         return None
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -108,19 +148,16 @@ def _from_hf_dir(path: Path) -> ModelArchConfig:
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(cfg.get("model_type", ""), "")
     _check_architecture(arch or f"model_type={cfg.get('model_type')!r}", str(config_file))
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r} in {config_file}; supported: silu")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(
+            f"unsupported hidden_act {act!r} in {config_file}; "
+            f"supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+        )
     if cfg.get("mlp_bias", False):
         raise ValueError(f"unsupported mlp_bias=true in {config_file}")
 
-    rope_params = cfg.get("rope_parameters")
-    if rope_params is not None:
-        rope_theta = float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_scaling = _normalise_rope(rope_params, str(config_file))
-    else:
-        rope_theta = float(cfg.get("rope_theta", 10000.0))
-        rope_scaling = _normalise_rope(cfg.get("rope_scaling"), str(config_file))
+    rope_theta, rope_scaling = _read_rope(cfg, str(config_file))
 
     eos = _id_list(cfg.get("eos_token_id"))
     gen_file = path / "generation_config.json"
@@ -131,17 +168,13 @@ def _from_hf_dir(path: Path) -> ModelArchConfig:
 
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
+    num_layers = int(cfg["num_hidden_layers"])
     max_pos = int(cfg.get("max_position_embeddings", 2048))
-    window = cfg.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-        window = None
-    if window is not None:
-        max_pos = min(max_pos, int(window))
-    return ModelArchConfig(
+    base = ModelArchConfig(
         architecture=arch,
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
-        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
@@ -154,8 +187,24 @@ def _from_hf_dir(path: Path) -> ModelArchConfig:
         attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
         bos_token_id=next(iter(_id_list(cfg.get("bos_token_id"))), None),
         eos_token_ids=eos,
-        sliding_window=int(window) if window is not None else None,
+        hidden_act=act,
     )
+    from tokenloom.model.arch_families import family_settings
+
+    return family_settings(base, cfg, str(config_file))
+
+
+def _read_rope(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
+    """(theta, normalised scaling) of the global layers; Gemma 3's per-layer-type
+    ``rope_parameters`` are split by ``arch_families``."""
+    rope_params = cfg.get("rope_parameters")
+    if rope_params is not None and "full_attention" in rope_params:
+        rope_params = rope_params["full_attention"]
+    if rope_params is not None:
+        theta = float(rope_params.get("rope_theta", cfg.get("rope_theta") or 10000.0))
+        return theta, _normalise_rope(rope_params, source)
+    theta = float(cfg.get("rope_theta") or 10000.0)
+    return theta, _normalise_rope(cfg.get("rope_scaling"), source)
 
 
 def _from_gguf(path: Path) -> ModelArchConfig:

@@ -31,6 +31,15 @@ Where the native CPU kernel is available (``cpu_kernels``; the runner passes it
 as ``native_op``), every request with at most ``NATIVE_MAX_QUERY`` new tokens is
 attended by it in one call that reads K/V in place through the block table, and
 only longer chunks take the SDPA path above.
+
+Sliding-window layers (Mistral, Gemma, Phi-3) attend to the last ``window``
+positions only: ``meta.for_layer(window, native)`` gives a variant of the
+metadata, built once per step and shared by the layers with that window, whose
+masks also exclude older keys. Those variants (and layers with soft-capped
+scores, which SDPA cannot express) take the torch path. No block is freed when
+it falls out of a window: the KV cache manager keeps every block of a request,
+as the global layers interleaved with the sliding ones (Gemma) still read them
+and prefix caching can reuse them.
 """
 
 from __future__ import annotations
@@ -100,6 +109,36 @@ class AttentionMetadata:
     # The native kernels are loaded (a native_op was given): K/V are written by
     # ``tokenloom_cpu.write_kv`` too.
     native_kv_write: bool = False
+    window: int | None = None
+    # What ``for_layer`` needs to build the other variants, and those built so far.
+    build_args: tuple | None = None
+    variants: dict[tuple[int | None, bool], AttentionMetadata] | None = None
+
+    def for_layer(self, window: int | None, native: bool = True) -> AttentionMetadata:
+        """This step's metadata for a layer attending to the last ``window`` positions
+        (None: all), through the native kernel only if ``native`` and no window."""
+        use_native = native and window is None and self.native is not None
+        if window == self.window and (use_native or self.native is None):
+            return self
+        key = (window, use_native)
+        if self.variants is None:
+            self.variants = {}
+        variant = self.variants.get(key)
+        if variant is None:
+            assert self.build_args is not None
+            query_lens, seq_lens, block_table, slot_mapping, native_op = self.build_args
+            variant = AttentionMetadata.build(
+                query_lens,
+                seq_lens,
+                block_table,
+                slot_mapping,
+                self.block_size,
+                native_op=native_op if use_native else None,
+                window=window,
+            )
+            variant.native_kv_write = self.native_kv_write
+            self.variants[key] = variant
+        return variant
 
     @classmethod
     def build(
@@ -110,7 +149,16 @@ class AttentionMetadata:
         slot_mapping: torch.Tensor,
         block_size: int,
         native_op: Callable[..., None] | None = None,
+        window: int | None = None,
     ) -> AttentionMetadata:
+        """``window``: attend only to keys within the last ``window`` positions of
+        each query (the native kernel is then not used)."""
+        if window is not None:
+            native_op_for_build = None
+            if window < 1:
+                raise ValueError(f"window must be >= 1, got {window}")
+        else:
+            native_op_for_build = native_op
         num_reqs = len(query_lens)
         if len(seq_lens) != num_reqs:
             raise ValueError(f"seq_lens has {len(seq_lens)} entries, query_lens {num_reqs}")
@@ -131,7 +179,7 @@ class AttentionMetadata:
         dec_seq_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         native_reqs: list[tuple[int, int, int, int]] = []  # (row, start, query_len, seq_len)
-        native_max_query = NATIVE_MAX_QUERY if native_op is not None else 0
+        native_max_query = NATIVE_MAX_QUERY if native_op_for_build is not None else 0
         start = 0
         for i in range(num_reqs):
             q, s = int(query_lens[i]), int(seq_lens[i])
@@ -153,21 +201,26 @@ class AttentionMetadata:
                 block_ids = mask = None
                 if ctx > 0:
                     block_ids = block_table[i, :n_blocks].to(torch.long)
+                if ctx > 0 or (window is not None and q > window):
                     key_pos = torch.arange(s, device=device)
                     query_pos = torch.arange(ctx, s, device=device)
                     mask = key_pos[None, :] <= query_pos[:, None]
+                    if window is not None:
+                        mask &= key_pos[None, :] > query_pos[:, None] - window
                 prefills.append(PrefillChunk(start, start + q, ctx, s, block_ids, mask))
             start += q
 
         groups = [
-            _decode_group(members, dec_rows, dec_tokens, dec_seq_lens, block_table, block_size)
+            _decode_group(
+                members, dec_rows, dec_tokens, dec_seq_lens, block_table, block_size, window
+            )
             for members in _bucket_by_length(dec_rows, dec_seq_lens, block_size)
         ]
         native = None
-        if native_op is not None and native_reqs:
+        if native_op_for_build is not None and native_reqs:
             columns = torch.tensor(native_reqs, dtype=torch.int32).t().contiguous()
             native = NativeBatch(
-                op=native_op,
+                op=native_op_for_build,
                 block_table=block_table.to(torch.int32).contiguous(),
                 table_rows=columns[0],
                 query_start=columns[1],
@@ -183,6 +236,8 @@ class AttentionMetadata:
             prefills=prefills,
             native=native,
             native_kv_write=native_op is not None,
+            window=window,
+            build_args=(query_lens, seq_lens, block_table, slot_mapping, native_op),
         )
 
 
@@ -213,6 +268,7 @@ def _decode_group(
     dec_seq_lens: list[int],
     block_table: torch.Tensor,
     block_size: int,
+    window: int | None = None,
 ) -> DecodeGroup:
     device = block_table.device
     rows = [dec_rows[j] for j in members]
@@ -230,7 +286,10 @@ def _decode_group(
     else:
         table = block_table[torch.tensor(rows, device=device), :n_blocks]
     key_pos = torch.arange(n_blocks * block_size, device=device)
-    mask = key_pos[None, :] < torch.tensor(lens, device=device)[:, None]
+    lens_t = torch.tensor(lens, device=device)[:, None]
+    mask = key_pos[None, :] < lens_t
+    if window is not None:
+        mask &= key_pos[None, :] >= lens_t - window
     return DecodeGroup(token_slice, token_idx, table.to(torch.long), mask.view(count, 1, 1, -1))
 
 
@@ -261,8 +320,47 @@ def _gather_keys(k_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
     return blocks.permute(order).reshape(*block_ids.shape[:-1], num_kv_heads, -1, head_dim)
 
 
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """SDPA over q [B, Hq, Lq, D] and k, v [B, Hk, L, D] (Hq a multiple of Hk), or
+    the same in plain torch with soft-capped scores ``cap * tanh(s / cap)``."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+    if q.shape[1] != k.shape[1]:
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        q_len, k_len = scores.shape[-2], scores.shape[-1]
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
+
+
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: DecodeGroup,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [b, H, D] -> [b, H, D], one masked SDPA over the group's gathered blocks."""
     batch, num_heads, head_dim = q.shape
@@ -273,7 +371,7 @@ def _decode_attention(
     v = v_cache.index_select(0, flat_ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     # The query heads sharing a KV head become that head's query rows.
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask)
+    out = _attend(qg, k, v, group.mask, False, scale, softcap)
     return out.reshape(batch, num_heads, head_dim)
 
 
@@ -284,6 +382,8 @@ def _prefill_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     chunk: PrefillChunk,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [q, H, D]; k, v: this chunk's fresh [q, Hkv, D] -> [q, H, D].
 
@@ -291,23 +391,27 @@ def _prefill_attention(
     flash kernel (3-D ones take the unfused path, 3-4x slower at 512 tokens)."""
     num_kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
     if chunk.context_len == 0:
-        out = F.scaled_dot_product_attention(
+        out = _attend(
             q.transpose(0, 1)[None],
             k.transpose(0, 1)[None],
             v.transpose(0, 1)[None],
-            is_causal=True,
-            enable_gqa=True,
+            chunk.mask,
+            chunk.mask is None,
+            scale,
+            softcap,
         )
         return out[0].transpose(0, 1)
     assert chunk.block_ids is not None
     kc = _gather_keys(k_cache, chunk.block_ids)  # [Hkv, L, D]
     vc = v_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(
+    out = _attend(
         q.transpose(0, 1)[None],
         kc[:, : chunk.seq_len][None],
         vc[: chunk.seq_len].transpose(0, 1)[None],
-        attn_mask=chunk.mask,
-        enable_gqa=True,
+        chunk.mask,
+        False,
+        scale,
+        softcap,
     )
     return out[0].transpose(0, 1)
 
@@ -319,8 +423,13 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of the flat batch. q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]."""
+    """Attention of the flat batch. q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D].
+
+    ``scale`` defaults to head_dim ** -0.5; ``softcap`` needs a metadata variant
+    without the native kernel (``meta.for_layer(window, native=False)``)."""
     if meta.native_kv_write:
         torch.ops.tokenloom_cpu.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
@@ -328,11 +437,14 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     groups = meta.decode_groups
     if meta.num_decodes == num_tokens and len(groups) == 1:
-        return _decode_attention(q, k_cache, v_cache, groups[0]).reshape(num_tokens, -1)
+        out = _decode_attention(q, k_cache, v_cache, groups[0], scale, softcap)
+        return out.reshape(num_tokens, -1)
 
     out = torch.empty_like(q)
     native = meta.native
     if native is not None:
+        if softcap is not None:
+            raise ValueError("soft-capped attention cannot use the native kernel")
         native.op(
             out,
             q.contiguous(),
@@ -343,17 +455,20 @@ def paged_attention(
             native.query_start,
             native.query_len,
             native.seq_lens,
-            1.0 / math.sqrt(head_dim),
+            scale if scale is not None else 1.0 / math.sqrt(head_dim),
         )
     for group in groups:
         if group.token_slice is not None:
             a, b = group.token_slice
-            out[a:b] = _decode_attention(q[a:b], k_cache, v_cache, group)
+            out[a:b] = _decode_attention(q[a:b], k_cache, v_cache, group, scale, softcap)
         else:
             assert group.token_idx is not None
             dq = q.index_select(0, group.token_idx)
-            out.index_copy_(0, group.token_idx, _decode_attention(dq, k_cache, v_cache, group))
+            attended = _decode_attention(dq, k_cache, v_cache, group, scale, softcap)
+            out.index_copy_(0, group.token_idx, attended)
     for chunk in meta.prefills:
         s, e = chunk.start, chunk.end
-        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk)
+        out[s:e] = _prefill_attention(
+            q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk, scale, softcap
+        )
     return out.view(num_tokens, num_heads * head_dim)

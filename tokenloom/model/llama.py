@@ -1,4 +1,5 @@
-"""Llama-family causal LM (Llama, SmolLM, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family causal LM (Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3) over a paged
+KV cache, and the base the other families (``gemma``) build on.
 
 ``CausalLM(arch, dtype)`` runs ``forward(input_ids [T], positions [T],
 kv_caches, attn_metadata) -> hidden [T, hidden]`` on a flattened ragged batch
@@ -8,7 +9,12 @@ may pick any rows of ``hidden`` before computing logits.
 
 Q/K/V share one matmul (``qkv_proj``) and gate/up another (``gate_up_proj``).
 ``load_weights`` takes Hugging Face tensor names and splits them into those
-fused parameters; the GGUF loader renames its tensors to the same names.
+fused parameters; the GGUF loader renames its tensors to the same names (and
+Phi-3 checkpoints already use them).
+
+What the families add is switched on by ``ModelArchConfig``: per-head q/k
+RMSNorm (Qwen3), partial rotary embeddings and long-rope (Phi-3), per-layer
+sliding windows (Mistral, Phi-3), a second RoPE table for sliding layers.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from torch import nn
 
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.attention import AttentionMetadata, paged_attention
-from tokenloom.model.layers import RMSNorm, RotaryEmbedding, SiluMLP, apply_rope
+from tokenloom.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 from tokenloom.model.packed_linear import PackedLinear, prepack_linears
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -29,17 +35,26 @@ _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, layer: int = 0) -> None:
         super().__init__()
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
         self.head_dim = arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.rotary_dim = int(self.head_dim * arch.partial_rotary_factor)
+        self.window = arch.layer_window(layer)
+        self.scale = arch.attention_scale
+        self.softcap = arch.attn_logit_softcapping
         self.qkv_proj = nn.Linear(
             arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias, dtype=dtype
         )
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False, dtype=dtype)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype)
         self.fused_ops = False  # RoPE by the native kernel (see CausalLM.use_fused_layer_ops)
 
     def forward(
@@ -52,31 +67,43 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.fused_ops:
+        plain = self.q_norm is None and self.rotary_dim == self.head_dim
+        if self.fused_ops and plain:
             q = qkv.new_empty(num_tokens, self.num_heads, self.head_dim)
             k = qkv.new_empty(num_tokens, self.num_kv_heads, self.head_dim)
             torch.ops.tokenloom_cpu.rotary_qk(
                 q, k, qkv, cos.view(num_tokens, -1), sin.view(num_tokens, -1)
             )
         else:
+            qk = qkv[:, : self.q_size + self.kv_size].reshape(num_tokens, -1, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                qk = torch.cat(
+                    (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])),
+                    dim=1,
+                )
             # Q and K rotate together: one RoPE call over H + Hkv heads.
-            qk = apply_rope(
-                qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin
-            )
+            if self.rotary_dim == self.head_dim:
+                qk = apply_rope(qk, cos, sin)
+            else:
+                rot = apply_rope(qk[..., : self.rotary_dim], cos, sin)
+                qk = torch.cat((rot, qk[..., self.rotary_dim :]), dim=-1)
             q = qk[:, : self.num_heads]
             k = qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
+        layer_meta = meta.for_layer(self.window, native=self.softcap is None)
+        out = paged_attention(
+            q, k, v, kv_cache[0], kv_cache[1], layer_meta, self.scale, self.softcap
+        )
         return self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = Attention(arch, dtype)
+        self.self_attn = Attention(arch, dtype, layer)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = SiluMLP(arch.hidden_size, arch.intermediate_size, dtype)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, dtype, arch.hidden_act)
 
     def forward(
         self,
@@ -104,17 +131,33 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """The whole decoder plus LM head; build it with ``loader.load_model``."""
 
+    layer_class: type[nn.Module] = DecoderLayer
+
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, dtype) for _ in range(arch.num_hidden_layers)
+            self.layer_class(arch, dtype, i) for i in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        rotary_dim = int(arch.head_dim * arch.partial_rotary_factor)
         self.rotary = RotaryEmbedding(
-            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+            rotary_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
+        # Sliding layers with their own RoPE base (Gemma 3) read a second table.
+        self.local_rotary: RotaryEmbedding | None = None
+        if arch.local_rope_theta is not None:
+            self.local_rotary = RotaryEmbedding(
+                rotary_dim,
+                arch.max_position_embeddings,
+                arch.local_rope_theta,
+                arch.local_rope_scaling,
+            )
+        self.uses_local_rotary = [
+            self.local_rotary is not None and arch.layer_window(i) is not None
+            for i in range(arch.num_hidden_layers)
+        ]
         if arch.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -124,6 +167,8 @@ class CausalLM(nn.Module):
     def init_buffers(self, device: torch.device, dtype: torch.dtype) -> None:
         """Compute non-weight state (the RoPE table) once the model sits on its device."""
         self.rotary.build_cache(device, dtype)
+        if self.local_rotary is not None:
+            self.local_rotary.build_cache(device, dtype)
 
     def prepack_weights(self) -> None:
         """Run every matmul, the LM head included, on MKL-packed weights (CPU, float32:
@@ -137,7 +182,7 @@ class CausalLM(nn.Module):
         """Run RMSNorm (with its residual add), SiLU-and-mul and RoPE through the
         native CPU kernels (float32 on CPU: ``cpu_kernels.layer_ops_available``)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, SiluMLP, Attention)):
+            if isinstance(module, (RMSNorm, GatedMLP, Attention)):
                 module.fused_ops = True
 
     def forward(
@@ -149,20 +194,34 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
+        local_cos, local_sin = cos, sin
+        if self.local_rotary is not None:
+            local_cos, local_sin = self.local_rotary.cos_sin(positions)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, cos, sin, kv_cache, attn_metadata)
+        for layer, kv_cache, local in zip(
+            self.layers, kv_caches, self.uses_local_rotary, strict=True
+        ):
+            c, s = (local_cos, local_sin) if local else (cos, sin)
+            h, residual = layer(h, residual, c, s, kv_cache, attn_metadata)
         if residual is None:
             return self.norm(h)
         return self.norm.add_and_norm(h, residual)[0]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.logits_head is not None:
-            return self.logits_head(hidden).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+            logits = self.logits_head(hidden).float()
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = torch.nn.functional.linear(hidden, weight).float()
+        cap = self.arch.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     # ----- weight loading -------------------------------------------------
 

@@ -24,9 +24,9 @@ from tokenloom.model.arch_config import ModelArchConfig, load_arch_config
 from tokenloom.model.cpu_kernels import layer_ops_available
 from tokenloom.model.dtype import resolve_dtype
 from tokenloom.model.gguf_loader import iter_gguf_weights
-from tokenloom.model.llama import CausalLM
 from tokenloom.model.packed_linear import prepacking_available
 from tokenloom.model.paths import resolve_model_path
+from tokenloom.model.registry import model_class
 
 
 @dataclass
@@ -61,7 +61,7 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
     dtype = resolve_dtype(model_config.dtype, model_config.device)
 
     with torch.device("meta"):
-        model = CausalLM(arch, dtype)
+        model = model_class(arch)(arch, dtype)
     model.to_empty(device=device)
     weights = iter_gguf_weights(path, arch) if path.suffix == ".gguf" else _iter_safetensors(path)
     filled = model.load_weights(weights)

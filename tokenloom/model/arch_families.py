@@ -1,0 +1,133 @@
+"""Family-specific parts of a Hugging Face ``config.json`` (torch-free).
+
+``family_settings(base, cfg, source)`` completes the Llama-style fields that
+``arch_config`` reads with what each family adds:
+
+- sliding windows per layer: Mistral and Phi-3 window every layer, Gemma 2
+  alternates sliding and global layers, Gemma 3 has one global layer in
+  ``sliding_window_pattern``, Qwen2/Qwen3 window the layers from
+  ``max_window_layers`` when ``use_sliding_window``; an explicit
+  ``layer_types`` list wins over these defaults;
+- Qwen3 and Gemma 3: per-head RMSNorm of q and k;
+- Gemma: attention scale from ``query_pre_attn_scalar``, soft-capping of
+  attention scores and final logits, and (Gemma 3) a separate RoPE base for the
+  sliding layers;
+- Phi-3: ``partial_rotary_factor`` and long-rope factors;
+- the context length served with YaRN and dynamic scaling (the original length
+  times the factor, as vLLM derives it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tokenloom.model.arch_config import ModelArchConfig, _normalise_rope
+
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def family_settings(base: ModelArchConfig, cfg: dict[str, Any], source: str) -> ModelArchConfig:
+    arch = base.architecture
+    changes: dict[str, Any] = {}
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"bidirectional attention (use_bidirectional_attention) in {source}")
+    changes.update(_windows(base, cfg, source))
+    if arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
+        changes["qk_norm"] = True
+    if arch in _GEMMA:
+        changes["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", True))
+        scalar = cfg.get("query_pre_attn_scalar")
+        changes["query_pre_attn_scalar"] = float(scalar) if scalar else None
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = cfg.get(key)
+            changes[key] = float(value) if value else None
+    if arch == "Gemma3ForCausalLM":
+        local = (cfg.get("rope_parameters") or {}).get("sliding_attention")
+        if local is not None:
+            changes["local_rope_theta"] = float(local.get("rope_theta", 10000.0))
+            changes["local_rope_scaling"] = _normalise_rope(local, source)
+        else:
+            changes["local_rope_theta"] = float(cfg.get("rope_local_base_freq") or 10000.0)
+    partial = cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get(
+        "partial_rotary_factor"
+    )
+    if partial is not None:
+        partial = float(partial)
+        if not 0.0 < partial <= 1.0 or int(base.head_dim * partial) % 2:
+            raise ValueError(
+                f"partial_rotary_factor {partial} in {source} must be in (0, 1] and rotate an "
+                f"even number of the {base.head_dim} head dimensions"
+            )
+        changes["partial_rotary_factor"] = partial
+    if base.rope_scaling is not None:
+        rope, max_pos = _complete_scaling(base, cfg, source, float(partial or 1.0))
+        changes["rope_scaling"] = rope
+        changes["max_position_embeddings"] = max_pos
+    return dataclasses.replace(base, **changes)
+
+
+def _windows(base: ModelArchConfig, cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    arch, num_layers = base.architecture, base.num_hidden_layers
+    window = cfg.get("sliding_window")
+    if arch in _QWEN and not cfg.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return {"sliding_window": None, "layer_windows": ()}
+    window = int(window)
+    if window < 1:
+        raise ValueError(f"sliding_window must be >= 1 in {source}, got {window}")
+    kinds = cfg.get("layer_types")
+    if not kinds:
+        if arch == "Gemma2ForCausalLM":
+            kinds = ["sliding_attention" if i % 2 == 0 else "full" for i in range(num_layers)]
+        elif arch == "Gemma3ForCausalLM":
+            pattern = int(cfg.get("sliding_window_pattern", 6))
+            kinds = [
+                "sliding_attention" if (i + 1) % pattern else "full" for i in range(num_layers)
+            ]
+        elif arch in _QWEN:
+            first = int(cfg.get("max_window_layers", 0))
+            kinds = ["sliding_attention" if i >= first else "full" for i in range(num_layers)]
+        else:
+            kinds = ["sliding_attention"] * num_layers
+    if len(kinds) != num_layers:
+        raise ValueError(
+            f"layer_types in {source} has {len(kinds)} entries for {num_layers} layers"
+        )
+    windows = tuple(window if kind == "sliding_attention" else None for kind in kinds)
+    if all(w is None for w in windows):
+        return {"sliding_window": None, "layer_windows": ()}
+    return {"sliding_window": window, "layer_windows": windows}
+
+
+def _complete_scaling(
+    base: ModelArchConfig, cfg: dict[str, Any], source: str, partial: float
+) -> tuple[dict[str, Any], int]:
+    """Fill the scaling dict with the lengths the RoPE table needs; returns it with
+    the context length to serve."""
+    rope = dict(base.rope_scaling or {})
+    kind = rope["rope_type"]
+    max_pos = base.max_position_embeddings
+    if kind not in ("yarn", "dynamic", "longrope"):
+        return rope, max_pos
+    if kind == "dynamic":
+        # transformers rescales beyond max_position_embeddings, up to factor times it.
+        rope["original_max_position_embeddings"] = max_pos
+        return rope, int(max_pos * float(rope["factor"]))
+    original = rope.get("original_max_position_embeddings") or cfg.get(
+        "original_max_position_embeddings"
+    )
+    original = int(original or max_pos)
+    rope["original_max_position_embeddings"] = original
+    rope["max_position_embeddings"] = max_pos
+    if kind == "longrope":
+        half = int(base.head_dim * partial) // 2
+        for key in ("short_factor", "long_factor"):
+            if len(rope.get(key) or ()) != half:
+                raise ValueError(f"longrope {key} in {source} must have {half} entries")
+        return rope, max_pos
+    if rope.get("factor") is None:
+        rope["factor"] = max_pos / original
+    return rope, max(max_pos, int(original * float(rope["factor"])))
