@@ -55,7 +55,7 @@ def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(model_config: ModelConfig) -> LoadedModel:
     """Load the weights named by ``model_config`` onto its device, ready for inference."""
-    path = resolve_model_path(model_config.model)
+    path = resolve_model_path(model_config.model, model_config.revision)
     arch = load_arch_config(path)
     device = torch.device(model_config.device)
     dtype = resolve_dtype(model_config.dtype, model_config.device)

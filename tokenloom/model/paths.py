@@ -9,14 +9,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenloom.default_model import default_model_path
+from tokenloom.model.hub import looks_like_hub_id, resolve_hub_model
 
-_SUPPORTED = "a Hugging Face model directory (config.json + *.safetensors) or a .gguf file"
+_SUPPORTED = (
+    "a Hugging Face model directory (config.json + *.safetensors), a .gguf file "
+    "or a Hugging Face id (org/name)"
+)
 
 
-def resolve_model_path(model: str | None) -> Path:
-    """Validate ``model`` and return the path to load from; None is the bundled default GGUF."""
+def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
+    """Validate ``model`` and return the path to load from; None is the bundled default
+    GGUF, and a Hugging Face id (``org/name``) is resolved at ``revision`` by ``hub``."""
     if model is None:
         return default_model_path()
+    if looks_like_hub_id(model):
+        model = str(resolve_hub_model(model, revision))
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path does not exist: {path} (expected {_SUPPORTED})")
