@@ -72,8 +72,8 @@ def test_unknown_architecture(tmp_path: Path) -> None:
 
 def test_unsupported_rope_scaling_and_activation(tmp_path: Path) -> None:
     path = _tiny_dir(tmp_path)
-    _edit_config(path, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
-    with pytest.raises(ValueError, match="yarn"):
+    _edit_config(path, rope_parameters={"rope_type": "mrope", "factor": 4.0, "rope_theta": 1e4})
+    with pytest.raises(ValueError, match="mrope"):
         load_arch_config(path)
     _edit_config(path, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     _edit_config(path, hidden_act="gelu")
