@@ -214,7 +214,11 @@ class AttentionMetadata:
             _decode_group(
                 members, dec_rows, dec_tokens, dec_seq_lens, block_table, block_size, window
             )
-            for members in _bucket_by_length(dec_rows, dec_seq_lens, block_size)
+            for members in _bucket_by_length(
+                dec_rows,
+                dec_seq_lens if window is None else [min(n, window) for n in dec_seq_lens],
+                block_size,
+            )
         ]
         native = None
         if native_op_for_build is not None and native_reqs:
@@ -280,6 +284,10 @@ def _decode_group(
         token_slice = (tokens[0], tokens[0] + count)
     else:
         token_idx = torch.tensor(tokens, dtype=torch.long, device=device)
+    if window is not None and max(lens) > window:
+        return _windowed_decode_group(
+            token_slice, token_idx, rows, lens, block_table, block_size, window
+        )
     n_blocks = -(-max(lens) // block_size)
     if rows == list(range(rows[0], rows[0] + count)):
         table = block_table[rows[0] : rows[0] + count, :n_blocks]
@@ -291,6 +299,31 @@ def _decode_group(
     if window is not None:
         mask &= key_pos[None, :] >= lens_t - window
     return DecodeGroup(token_slice, token_idx, table.to(torch.long), mask.view(count, 1, 1, -1))
+
+
+def _windowed_decode_group(
+    token_slice: tuple[int, int] | None,
+    token_idx: torch.Tensor | None,
+    rows: list[int],
+    lens: list[int],
+    block_table: torch.Tensor,
+    block_size: int,
+    window: int,
+) -> DecodeGroup:
+    """Decodes of a sliding-window layer gather only the blocks their window
+    touches: row i's table starts at the block holding position len_i - window."""
+    device = block_table.device
+    lens_t = torch.tensor(lens, device=device)
+    first = torch.clamp(lens_t - window, min=0) // block_size  # [b]
+    n_blocks = int((-(-lens_t // block_size) - first).max())
+    cols = torch.clamp(
+        first[:, None] + torch.arange(n_blocks, device=device)[None, :],
+        max=block_table.shape[1] - 1,
+    )
+    table = torch.gather(block_table[torch.tensor(rows, device=device)].to(torch.long), 1, cols)
+    key_pos = first[:, None] * block_size + torch.arange(n_blocks * block_size, device=device)
+    mask = (key_pos < lens_t[:, None]) & (key_pos >= lens_t[:, None] - window)
+    return DecodeGroup(token_slice, token_idx, table, mask.view(len(rows), 1, 1, -1))
 
 
 def write_kv(
