@@ -20,7 +20,7 @@ from tokenloom.model.kv_cache import allocate_kv_caches
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.loader import load_model
 from tokenloom.model.lora import LoRAManager
-from tokenloom.model.peft_config import read_peft_config
+from tokenloom.model.peft_config import read_peft_config, validate_adapter
 
 peft = pytest.importorskip("peft")
 
@@ -197,3 +197,7 @@ def test_bad_adapters_are_refused(setup, tmp_path: Path) -> None:
     model, manager = _ours(root, max_loras=1)
     with pytest.raises(ValueError, match="another model"):
         manager.add_adapter(LoRARequest("wide", 9, str(tmp_path / "wide")))
+    # the torch-free check the server runs says the same before the engine sees it
+    with pytest.raises(ValueError, match="another model"):
+        validate_adapter(tmp_path / "wide", 16, model.arch)
+    assert validate_adapter(root / "c", 16, model.arch).rank == 2

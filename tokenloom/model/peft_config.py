@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+from tokenloom.model.arch_config import ModelArchConfig
 
 # The projections LoRA may target, by their Hugging Face module names (Phi-3
 # checkpoints fuse qkv_proj and gate_up_proj).
@@ -91,3 +95,78 @@ def read_peft_config(path: str | Path, max_lora_rank: int) -> PeftAdapterConfig:
     alpha = float(cfg.get("lora_alpha", rank))
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     return PeftAdapterConfig(path, rank, scaling, tuple(targets))
+
+
+_TENSOR = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(lora_[AB])\.weight$"
+)
+
+
+def expected_shapes(
+    arch: ModelArchConfig, module: str, rank: int
+) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """(A, B) shapes of a LoRA on ``module`` of this architecture; None if it has no such module."""
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_key_value_heads * arch.head_dim
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    fused = arch.architecture == "Phi3ForCausalLM"
+    dims = {"o_proj": (q, hidden), "down_proj": (inter, hidden)}
+    if fused:
+        dims |= {"qkv_proj": (hidden, q + 2 * kv), "gate_up_proj": (hidden, 2 * inter)}
+    else:
+        dims |= {
+            "q_proj": (hidden, q),
+            "k_proj": (hidden, kv),
+            "v_proj": (hidden, kv),
+            "gate_proj": (hidden, inter),
+            "up_proj": (hidden, inter),
+        }
+    if module not in dims:
+        return None
+    fan_in, fan_out = dims[module]
+    return (rank, fan_in), (fan_out, rank)
+
+
+def safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a safetensors header, without reading the data."""
+    with file.open("rb") as handle:
+        raw = handle.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{file} is not a safetensors file")
+        (length,) = struct.unpack("<Q", raw)
+        if length > 100_000_000:
+            raise ValueError(f"{file} is not a safetensors file")
+        try:
+            header = json.loads(handle.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ValueError(f"{file} is not a safetensors file") from None
+    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def validate_adapter(
+    path: str | Path, max_lora_rank: int, arch: ModelArchConfig
+) -> PeftAdapterConfig:
+    """``read_peft_config`` plus a check of every tensor's name and shape against the
+    base model, so that an adapter accepted here loads in the engine."""
+    config = read_peft_config(path, max_lora_rank)
+    shapes = safetensors_shapes(config.path / "adapter_model.safetensors")
+    if not shapes:
+        raise ValueError(f"LoRA adapter {config.path} has no tensors")
+    for name, shape in shapes.items():
+        match = _TENSOR.match(name)
+        if match is None:
+            raise ValueError(f"LoRA adapter {config.path}: unsupported tensor {name}")
+        layer, module, kind = int(match.group(1)), match.group(3), match.group(4)
+        expected = expected_shapes(arch, module, config.rank)
+        if expected is None or layer >= arch.num_hidden_layers:
+            raise ValueError(
+                f"LoRA adapter {config.path} targets {name}, which this "
+                f"{arch.architecture} model does not have"
+            )
+        want = expected[0] if kind == "lora_A" else expected[1]
+        if shape != want:
+            raise ValueError(
+                f"LoRA adapter {config.path}: {name} has shape {shape}, the base model "
+                f"needs {want} (an adapter for another model?)"
+            )
+    return config
