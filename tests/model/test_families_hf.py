@@ -16,6 +16,7 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     LlamaConfig,
+    MistralConfig,
     Phi3Config,
     PretrainedConfig,
     Qwen3Config,
@@ -81,6 +82,8 @@ def _cases() -> dict[str, PretrainedConfig]:
             },
         ),
         "phi3_sliding": Phi3Config(**PHI3, sliding_window=WINDOW),
+        # every layer windowed (it used to be served by capping the context instead)
+        "mistral_sliding": MistralConfig(**COMMON, sliding_window=WINDOW),
         "llama_yarn": LlamaConfig(
             **COMMON,
             rope_parameters={
