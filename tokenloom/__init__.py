@@ -2,13 +2,14 @@
 
 from typing import TYPE_CHECKING, Any
 
+from tokenloom.lora_request import LoRARequest
 from tokenloom.outputs import CompletionOutput, RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenloom.engine.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 

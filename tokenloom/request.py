@@ -6,6 +6,7 @@ import enum
 import sys
 import time
 
+from tokenloom.lora_request import LoRARequest
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -97,7 +98,7 @@ class Request:
         "output_token_ids", "stopping_token_ids", "_open_below", "_open_for", "client_index",
         "num_cached_tokens", "sampling_params", "eos_token_id", "arrival_time", "priority",
         "stop_reason", "prompt_token_ids", "num_prompt_tokens", "num_preemptions", "max_tokens",
-        "min_tokens", "block_hashes",
+        "min_tokens", "block_hashes", "lora_request", "lora_int_id",
     )  # fmt: skip
 
     def __init__(
@@ -109,6 +110,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         client_index: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -148,6 +150,9 @@ class Request:
         # Hashes of the full blocks of all_token_ids, extended by the KV cache
         # manager as tokens arrive; they survive preemption.
         self.block_hashes: list[object] = []
+        # The LoRA adapter it runs with; its id keys its cached blocks (0: base model).
+        self.lora_request = lora_request
+        self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
 
     @property
     def num_tokens(self) -> int:

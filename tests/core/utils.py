@@ -13,9 +13,10 @@ import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.config import CacheConfig, LoRAConfig, SchedulerConfig
 from tokenloom.core.sched.output import SchedulerOutput
 from tokenloom.core.sched.scheduler import Scheduler
+from tokenloom.lora_request import LoRARequest
 from tokenloom.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
 from tokenloom.request import Request, RequestStatus
 from tokenloom.sampling_params import SamplingParams
@@ -131,6 +132,7 @@ def make_scheduler(
     max_model_len: int = 4096,
     num_speculative_tokens: int = 0,
     log_stats: bool = False,
+    lora_config: LoRAConfig | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -148,6 +150,7 @@ def make_scheduler(
         max_model_len=max_model_len,
         num_speculative_tokens=num_speculative_tokens,
         log_stats=log_stats,
+        lora_config=lora_config,
     )
 
 
@@ -163,6 +166,7 @@ def make_request(
     arrival_time: float | None = None,
     eos_token_id: int | None = None,
     client_index: int = 0,
+    lora_request: LoRARequest | None = None,
     **params: object,
 ) -> Request:
     """A request with ``prompt`` tokens (a count gives distinct-per-id tokens)."""
@@ -180,6 +184,7 @@ def make_request(
         arrival_time=arrival_time,
         priority=priority,
         client_index=client_index,
+        lora_request=lora_request,
     )
 
 

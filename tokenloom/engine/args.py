@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
+from tokenloom.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from tokenloom.default_model import DEFAULT_MODEL_NAME
 
 # Argument name -> the config field that holds it, where the two differ.
@@ -24,9 +24,16 @@ _INT_FIELDS = (
     "long_prefill_token_threshold",
     "seed",
     "max_logprobs",
+    "max_loras",
+    "max_lora_rank",
 )
 _OPTIONAL_INT_FIELDS = ("max_model_len", "num_blocks")
-_BOOL_FIELDS = ("enable_prefix_caching", "enable_chunked_prefill", "log_stats")
+_BOOL_FIELDS = (
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "log_stats",
+    "enable_lora",
+)
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|mps)$")
 
 
@@ -50,6 +57,12 @@ class EngineArgs:
     device: str = "cpu"
     log_stats: bool = True
     served_model_name: str | None = None
+    # Hugging Face revision (branch, tag or commit) of a model given by its id.
+    revision: str | None = None
+    # LoRA (vLLM's names): adapters in one step, their largest rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
     # Default chat template: a file path or the Jinja template itself (else the model's).
     chat_template: str | None = None
     # Most top logprobs a request may ask for.
@@ -58,6 +71,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         self._check_types()
         self.create_configs()
+        self.create_lora_config()
         self.load_chat_template()
 
     def load_chat_template(self) -> str | None:
@@ -115,6 +129,7 @@ class EngineArgs:
                 max_model_len=self.max_model_len,
                 device=self.device,
                 seed=self.seed,
+                revision=self.revision,
             )
             cache_config = CacheConfig(
                 block_size=self.block_size,
@@ -136,6 +151,12 @@ class EngineArgs:
                     message = arg_name + message[len(config_name) :]
             raise ValueError(message) from None
         return model_config, cache_config, scheduler_config
+
+    def create_lora_config(self) -> LoRAConfig | None:
+        """The LoRA limits when ``enable_lora``, else None."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -186,6 +207,24 @@ class EngineArgs:
             "--log-stats", action=argparse.BooleanOptionalAction, default=d.log_stats
         )
         group.add_argument("--served-model-name", type=str, default=d.served_model_name)
+        group.add_argument(
+            "--revision",
+            type=str,
+            default=d.revision,
+            help="branch, tag or commit of a Hugging Face model id",
+        )
+        group.add_argument(
+            "--enable-lora",
+            action=argparse.BooleanOptionalAction,
+            default=d.enable_lora,
+            help="serve LoRA adapters (PEFT directories) on top of the model",
+        )
+        group.add_argument(
+            "--max-loras", type=int, default=d.max_loras, help="most LoRA adapters in one batch"
+        )
+        group.add_argument(
+            "--max-lora-rank", type=int, default=d.max_lora_rank, help="largest LoRA rank served"
+        )
         group.add_argument(
             "--chat-template",
             type=str,

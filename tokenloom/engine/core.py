@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Protocol
 
-from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
+from tokenloom.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from tokenloom.core.sched.output import SchedulerOutput
 from tokenloom.core.sched.scheduler import Scheduler
 from tokenloom.engine.messages import CoreOutputs, EngineCoreRequest
@@ -54,6 +54,7 @@ class EngineCore:
         runner: ModelRunnerProtocol,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.runner = runner
         self.num_blocks: int = runner.num_blocks
@@ -63,7 +64,11 @@ class EngineCore:
         self.max_model_len: int = min(runner.max_model_len, cache_tokens)
         # Stats are always on in the core: the front end reads queue lengths from them.
         self.scheduler = Scheduler(
-            scheduler_config, self.cache_config, self.max_model_len, log_stats=True
+            scheduler_config,
+            self.cache_config,
+            self.max_model_len,
+            log_stats=True,
+            lora_config=lora_config,
         )
         # Requests scheduled but not yet reported: when they were first scheduled.
         self._first_scheduled: dict[str, float] = {}
@@ -76,15 +81,17 @@ class EngineCore:
         model_config: ModelConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
+        lora_config: LoRAConfig | None = None,
     ) -> EngineCore:
         """The core over the real ``ModelRunner`` (loads the weights; imports torch)."""
         from tokenloom.worker.model_runner import ModelRunner
 
         started = time.monotonic()
         core = cls(
-            ModelRunner(model_config, cache_config, scheduler_config),
+            ModelRunner(model_config, cache_config, scheduler_config, lora_config),
             cache_config,
             scheduler_config,
+            lora_config,
         )
         # Everything built so far lives as long as the engine: keep it out of the
         # collector's full passes, which otherwise walk it between steps.
@@ -108,6 +115,7 @@ class EngineCore:
                 eos_token_id=request.eos_token_id,
                 arrival_time=request.arrival_time,
                 priority=request.priority,
+                lora_request=request.lora_request,
             )
         )
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import zmq
 import zmq.asyncio
 
-from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
+from tokenloom.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.messages import (
     AbortRequests,
@@ -175,6 +175,7 @@ class MPClient:
         model_config: ModelConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         from tokenloom.engine.core_proc import run_engine_core
 
@@ -202,6 +203,7 @@ class MPClient:
             kwargs={
                 "handshake": writer,
                 "die_with_parent": threading.current_thread() is threading.main_thread(),
+                "lora_config": lora_config,
             },
             name="tokenloom-engine-core",
             daemon=True,

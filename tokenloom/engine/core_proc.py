@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
+from tokenloom.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from tokenloom.engine.messages import (
     AbortRequests,
     CoreError,
@@ -70,6 +70,7 @@ def run_engine_core(
     output_address: str,
     handshake: Connection,
     die_with_parent: bool = True,
+    lora_config: LoRAConfig | None = None,
 ) -> None:
     """Process entry point: build the core, hand-shake, then serve until told to stop."""
     if die_with_parent:
@@ -79,7 +80,7 @@ def run_engine_core(
     try:
         from tokenloom.engine.core import EngineCore
 
-        core = EngineCore.from_config(model_config, cache_config, scheduler_config)
+        core = EngineCore.from_config(model_config, cache_config, scheduler_config, lora_config)
     except BaseException as exc:
         message = f"engine core failed to start: {type(exc).__name__}: {exc}"
         handshake.send_bytes(encode(StartupError(message + "\n" + traceback.format_exc())))

@@ -12,9 +12,13 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
+from tokenloom.config import LoRAConfig
 from tokenloom.engine.chat_template import is_utf8, render_chat
 from tokenloom.engine.messages import EngineCoreRequest
 from tokenloom.engine.protocol import ChatOptions, PromptType, RenderedChat
+from tokenloom.lora_request import LoRARequest
+from tokenloom.model.arch_config import ModelArchConfig
+from tokenloom.model.peft_config import validate_adapter
 from tokenloom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -40,8 +44,14 @@ class InputProcessor:
         *,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         chat_template: str | None = None,
+        lora_config: LoRAConfig | None = None,
+        arch: ModelArchConfig | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # LoRA: adapters are checked against the base model (``arch``) once per id.
+        self.lora_config = lora_config
+        self.arch = arch
+        self._adapter_paths: dict[int, str] = {}
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
@@ -83,6 +93,7 @@ class InputProcessor:
         priority: int = 0,
         arrival_time: float | None = None,
         prompt_text: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, list[EngineCoreRequest]]:
         """Validate one prompt; return its text and one core request per completion (``n``).
 
@@ -99,6 +110,8 @@ class InputProcessor:
                 f"logprobs ({params.logprobs}) exceeds the engine's limit of {self.max_logprobs} "
                 "(max_logprobs)"
             )
+        if lora_request is not None:
+            self.check_adapter(lora_request)
         text, token_ids = self.tokenize(prompt)
         text = text if prompt_text is None else prompt_text
         self._validate(token_ids, params)
@@ -119,9 +132,30 @@ class InputProcessor:
                 eos_token_id=eos,
                 arrival_time=arrival,
                 priority=priority,
+                lora_request=lora_request,
             )
             for child_id, child_params in children
         ]
+
+    def check_adapter(self, lora_request: LoRARequest) -> None:
+        """Refuse an adapter the engine could not load (LoRA off, bad path, rank
+        above max_lora_rank, shapes of another model) or an id reused for another path."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(
+                f"lora_request must be a LoRARequest, got {type(lora_request).__name__}"
+            )
+        if self.lora_config is None or self.arch is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True")
+        known = self._adapter_paths.get(lora_request.lora_int_id)
+        if known is not None:
+            if known != lora_request.lora_path:
+                raise ValueError(
+                    f"lora_int_id {lora_request.lora_int_id} already names the adapter at "
+                    f"{known}, not {lora_request.lora_path}"
+                )
+            return
+        validate_adapter(lora_request.lora_path, self.lora_config.max_lora_rank, self.arch)
+        self._adapter_paths[lora_request.lora_int_id] = lora_request.lora_path
 
     def render_chat(self, messages: object, options: ChatOptions | None = None) -> RenderedChat:
         """One conversation through the chat template (see ``chat_template.render_chat``)."""

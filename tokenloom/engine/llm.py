@@ -14,6 +14,7 @@ from tokenloom.engine.input_processor import InputProcessor, eos_token_ids
 from tokenloom.engine.messages import EngineCoreRequest
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.protocol import ChatOptions, PromptType
+from tokenloom.lora_request import LoRARequest
 from tokenloom.metrics.stats import IterationStats, LoggingStatLogger, StatLogger
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
@@ -45,12 +46,13 @@ class LLM:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
         self.engine_args = EngineArgs(model=model, **engine_args)
         model_config, cache_config, scheduler_config = self.engine_args.create_configs()
-        path = resolve_model_path(model)
+        path = resolve_model_path(model, self.engine_args.revision)
         arch = load_arch_config(path)
+        lora_config = self.engine_args.create_lora_config()
         model_config = dataclasses.replace(model_config, model=str(path))
         chat_template = self.engine_args.load_chat_template()
         self.tokenizer: PreTrainedTokenizerFast = load_tokenizer(path)
-        core = EngineCore.from_config(model_config, cache_config, scheduler_config)
+        core = EngineCore.from_config(model_config, cache_config, scheduler_config, lora_config)
         self.client = InprocClient(core)
         self.max_model_len = self.client.max_model_len
         self.input_processor = InputProcessor(
@@ -60,6 +62,8 @@ class LLM:
             eos_token_ids(arch.eos_token_ids, self.tokenizer),
             max_logprobs=self.engine_args.max_logprobs,
             chat_template=chat_template,
+            lora_config=lora_config,
+            arch=arch,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLogger] = (
@@ -75,14 +79,24 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """One ``RequestOutput`` per prompt (a str, token ids, or a list of either)."""
+        """One ``RequestOutput`` per prompt (a str, token ids, or a list of either).
+
+        ``lora_request``: one adapter for every prompt, or one (or None, the base
+        model) per prompt; needs ``enable_lora=True``."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        lora_list = _as_lora_list(lora_request, len(prompt_list))
         batch = []
-        for prompt, params in zip(prompt_list, params_list, strict=True):
+        for prompt, params, lora in zip(prompt_list, params_list, lora_list, strict=True):
             request_id = self._next_id()
-            batch.append((request_id, *self.input_processor.process(request_id, prompt, params)))
+            batch.append(
+                (
+                    request_id,
+                    *self.input_processor.process(request_id, prompt, params, lora_request=lora),
+                )
+            )
         return self._run(batch, use_tqdm)
 
     def chat(
@@ -206,3 +220,20 @@ def _as_params_list(
             "pass one SamplingParams or one per prompt"
         )
     return params_list
+
+
+def _as_lora_list(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    if not isinstance(lora_request, (list, tuple)):
+        raise ValueError(
+            f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}"
+        )
+    if len(lora_request) != count:
+        raise ValueError(
+            f"lora_request has {len(lora_request)} entries for {count} prompts; "
+            "pass one LoRARequest or one per prompt"
+        )
+    return list(lora_request)

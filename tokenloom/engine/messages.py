@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from tokenloom.lora_request import LoRARequest
 from tokenloom.outputs import EngineCoreOutputs
 from tokenloom.sampling_params import SamplingParams
 
@@ -23,6 +24,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     eos_token_id: int | None
     arrival_time: float
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequests(msgspec.Struct, tag=True):

@@ -21,7 +21,7 @@ import numpy as np
 import psutil
 import torch
 
-from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
+from tokenloom.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from tokenloom.core.sched.output import SchedulerOutput
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.attention import AttentionMetadata
@@ -29,6 +29,7 @@ from tokenloom.model.cpu_kernels import bind_threads_to_cores, paged_attention_o
 from tokenloom.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.loader import load_model
+from tokenloom.model.lora import LoRAManager
 from tokenloom.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenloom.worker.host_malloc import keep_freed_memory
 from tokenloom.worker.input_batch import InputBatch
@@ -59,6 +60,7 @@ class ModelRunner:
         model_config: ModelConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -93,6 +95,9 @@ class ModelRunner:
         # The EOS id the engine gives its requests (for hand-built NewRequestData).
         self._eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self._last_req_ids: list[str] = []
+        # LoRA: the adapter slots, and each request's adapter id (0: base model).
+        self.lora_manager = LoRAManager(self.model, lora_config) if lora_config else None
+        self._lora_ids: dict[str, int] = {}
         self._last_index: dict[str, int] = {}
 
     def _num_kv_blocks(self) -> int:
@@ -130,9 +135,17 @@ class ModelRunner:
         for a partial prefill.
         """
         apply_deltas(self.input_batch, scheduler_output, self._eos_token_id)
+        if self.lora_manager is not None:
+            self._track_adapters(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return self._output([], [], None)
         step = prepare_step(self.input_batch, scheduler_output)
+        if self.lora_manager is not None:
+            lora_of = self._lora_ids
+            ids = np.fromiter(
+                (lora_of.get(r, 0) for r in step.req_ids), np.int64, len(step.req_ids)
+            )
+            self.lora_manager.prepare(np.repeat(ids, step.query_lens))
         with torch.inference_mode():
             attn_metadata = AttentionMetadata.build(
                 step.query_lens.tolist(),
@@ -194,6 +207,22 @@ class ModelRunner:
                     logprobs[i] = [e for e in entries if e is not None]
             row += num_rows
         return self._output(step.req_ids, sampled_ids, logprobs)
+
+    def _track_adapters(self, scheduler_output: SchedulerOutput) -> None:
+        """Remember each new request's adapter (registering it on first sight: the
+        front end validated it) and forget finished requests."""
+        assert self.lora_manager is not None
+        for req_id in scheduler_output.finished_req_ids:
+            self._lora_ids.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            lora = new.lora_request
+            if lora is not None:
+                self.lora_manager.add_adapter(lora)
+                self._lora_ids[new.req_id] = lora.lora_int_id
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter's weights (no request may still use it)."""
+        return self.lora_manager is not None and self.lora_manager.remove_adapter(lora_int_id)
 
     def _output(
         self,

@@ -1,6 +1,8 @@
 """Chained, collision-safe hashes of full KV cache blocks.
 
-A block's :class:`BlockHash` covers its parent's hash and its own token ids.
+A block's :class:`BlockHash` covers its parent's hash and its own token ids,
+and the chain carries an extra key: the request's LoRA adapter id (0 for the
+base model), so that blocks computed with different adapters never match.
 The 64-bit ``digest`` only picks the dict bucket: equality compares the token
 ids of the whole chain, so two different prefixes can never be confused even
 when their digests collide. Walking the chain stops at the first
@@ -24,15 +26,25 @@ def digest_block(parent_digest: int | None, token_ids: tuple[int, ...]) -> int:
 class BlockHash:
     """Identity of a full block: the exact token prefix it holds KV for."""
 
-    __slots__ = ("digest", "token_ids", "parent")
+    __slots__ = ("digest", "token_ids", "parent", "extra_key")
     digest: int
     token_ids: tuple[int, ...]
     parent: BlockHash | None
+    extra_key: int
 
-    def __init__(self, parent: BlockHash | None, token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, parent: BlockHash | None, token_ids: tuple[int, ...], extra_key: int = 0
+    ) -> None:
+        """``extra_key`` counts for the first block of a chain; later ones inherit it."""
         self.parent = parent
         self.token_ids = token_ids
-        self.digest = digest_block(None if parent is None else parent.digest, token_ids)
+        if parent is not None:
+            self.extra_key = parent.extra_key
+            seed: int | None = parent.digest
+        else:
+            self.extra_key = extra_key
+            seed = None if extra_key == 0 else hash(("extra_key", extra_key))
+        self.digest = digest_block(seed, token_ids)
 
     def __hash__(self) -> int:
         return self.digest
@@ -45,7 +57,7 @@ class BlockHash:
         while a is not b:
             if a is None or b is None:
                 return False
-            if a.digest != b.digest or a.token_ids != b.token_ids:
+            if a.digest != b.digest or a.token_ids != b.token_ids or a.extra_key != b.extra_key:
                 return False
             a, b = a.parent, b.parent
         return True
@@ -73,7 +85,9 @@ def extend_block_hashes(
         return hashes
     parent = hashes[-1] if hashes else None
     for i in range(start, num_full):
-        block_hash = BlockHash(parent, tuple(tokens[i * block_size : (i + 1) * block_size]))
+        block_hash = BlockHash(
+            parent, tuple(tokens[i * block_size : (i + 1) * block_size]), request.lora_int_id
+        )
         if canonical:
             cached = canonical.get(block_hash)
             if cached is not None and cached.block_hash is not None:

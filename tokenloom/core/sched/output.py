@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenloom.lora_request import LoRARequest
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class NewRequestData:
     # Request.stopping_token_ids: banned while fewer than min_tokens outputs exist.
     # None (a hand-built record): the runner derives them with its own EOS id.
     stopping_token_ids: frozenset[int] | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -48,7 +48,7 @@ import sys
 from collections.abc import Iterable
 from itertools import repeat
 
-from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.config import CacheConfig, LoRAConfig, SchedulerConfig
 from tokenloom.core.kv_cache.manager import KVCacheManager
 from tokenloom.core.sched.interface import SchedulerInterface
 from tokenloom.core.sched.output import NewRequestData, SchedulerOutput
@@ -77,7 +77,11 @@ class Scheduler(SchedulerInterface):
         max_model_len: int,
         num_speculative_tokens: int = 0,
         log_stats: bool = False,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
+        """``lora_config``: at most ``max_loras`` distinct LoRA adapters among the
+        running requests (so in any step); a waiting request whose adapter would
+        exceed that waits, and requests behind it may go first (vLLM's rule)."""
         if cache_config.num_blocks is None:
             raise ValueError(
                 "num_blocks must be set in CacheConfig before building the Scheduler "
@@ -131,6 +135,7 @@ class Scheduler(SchedulerInterface):
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._num_preemptions = 0
+        self._max_loras = lora_config.max_loras if lora_config is not None else 0
 
     # ------------------------------------------------------------------ requests
 
@@ -314,11 +319,18 @@ class Scheduler(SchedulerInterface):
         manager = self.kv_cache_manager
         waiting = self.waiting
         running = self.running
+        max_loras = self._max_loras
+        adapters = {r.lora_int_id for r in running if r.lora_int_id} if max_loras else set()
+        skipped: list[Request] = []
         while waiting and step.token_budget > 0 and len(running) < config.max_num_seqs:
             request = waiting.peek()
             if self._unservable(request):
                 waiting.pop()
                 self._ignore(request)
+                continue
+            lora_id = request.lora_int_id if max_loras else 0
+            if lora_id and lora_id not in adapters and len(adapters) >= max_loras:
+                skipped.append(waiting.pop())  # another adapter would exceed max_loras
                 continue
             if caching:
                 computed_blocks, num_cached = manager.get_computed_blocks(request)
@@ -338,6 +350,8 @@ class Scheduler(SchedulerInterface):
                 break
             waiting.pop()
             running.append(request)
+            if lora_id:
+                adapters.add(lora_id)
             req_id = request.request_id
             if caching:
                 self._prefix_queries += num_tokens
@@ -353,6 +367,7 @@ class Scheduler(SchedulerInterface):
                         block_ids=manager.get_block_ids(req_id),
                         num_computed_tokens=num_cached,
                         stopping_token_ids=request.stopping_token_ids,
+                        lora_request=request.lora_request,
                     ),
                     num_new,
                 )
@@ -366,6 +381,8 @@ class Scheduler(SchedulerInterface):
                 )
             request.status = _RUNNING
             request.num_computed_tokens = num_cached + num_new
+        for request in reversed(skipped):
+            waiting.prepend(request)
 
     def _unservable(self, request: Request) -> bool:
         num_tokens = request.num_tokens
