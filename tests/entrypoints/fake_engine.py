@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -19,6 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.protocol import ChatOptions, RenderedChat
+from tokenloom.lora_request import LoRARequest
 from tokenloom.metrics.stats import StatLogger
 from tokenloom.outputs import CompletionOutput, RequestOutput
 from tokenloom.sampling_params import SamplingParams
@@ -62,6 +64,8 @@ class FakeAsyncLLM:
         self.rendered: list[RenderedChat] = []
         self.conversations: list[list[dict[str, Any]]] = []
         self.chat_options: list[ChatOptions] = []
+        self.loras: list[LoRARequest | None] = []  # per started request
+        self.added_loras: list[LoRARequest] = []
         self._jinja = ImmutableSandboxedEnvironment()
 
     @property
@@ -99,6 +103,12 @@ class FakeAsyncLLM:
         self.chat_options.append(options)
         return rendered
 
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Accepts any existing directory, as a stand-in for the real checks."""
+        if not Path(lora_request.lora_path).is_dir():
+            raise ValueError(f"LoRA adapter path {lora_request.lora_path} is not a directory")
+        self.added_loras.append(lora_request)
+
     async def abort(self, request_id: str | Iterable[str]) -> None:
         self.aborted += [request_id] if isinstance(request_id, str) else list(request_id)
 
@@ -126,12 +136,14 @@ class FakeAsyncLLM:
         *,
         priority: int = 0,
         delta: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self.errored:
             raise EngineDeadError()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(ids, sampling_params)
         self.started.append(request_id)
+        self.loras.append(lora_request)
         self.prompts.append(ids)
         self.params.append(sampling_params)
         self.num_running_requests += 1

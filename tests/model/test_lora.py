@@ -172,9 +172,9 @@ def test_slots_are_reused_across_steps(setup) -> None:
 
 def test_bad_adapters_are_refused(setup, tmp_path: Path) -> None:
     root, _ = setup
-    with pytest.raises(FileNotFoundError, match="is not a directory"):
+    with pytest.raises(ValueError, match="is not a directory"):
         read_peft_config(tmp_path / "missing", 16)
-    with pytest.raises(FileNotFoundError, match="no adapter_config.json"):
+    with pytest.raises(ValueError, match="no adapter_config.json"):
         read_peft_config(tmp_path, 16)
     with pytest.raises(ValueError, match="rank 8, above max_lora_rank=4"):
         read_peft_config(root / "a", 4)

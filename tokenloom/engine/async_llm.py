@@ -30,7 +30,9 @@ from tokenloom.engine.input_processor import InputProcessor, eos_token_ids
 from tokenloom.engine.messages import CoreOutputs
 from tokenloom.engine.output_processor import OutputProcessor, RequestOutputCollector
 from tokenloom.engine.protocol import ChatOptions, EngineClient, PromptType, RenderedChat
+from tokenloom.lora_request import LoRARequest
 from tokenloom.metrics.stats import IterationStats, LoggingStatLogger, StatLogger
+from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.outputs import RequestOutput, SchedulerStats
 from tokenloom.sampling_params import SamplingParams
 
@@ -60,7 +62,9 @@ class AsyncLLM(EngineClient):
         vocab_size: int,
         eos_ids: list[int],
         stat_loggers: list[StatLogger] | None = None,
+        arch: ModelArchConfig | None = None,
     ) -> None:
+        """``arch``: the base model's shapes, which LoRA adapters are checked against."""
         self.engine_args = engine_args
         self.client = client
         self.tokenizer = tokenizer
@@ -73,6 +77,8 @@ class AsyncLLM(EngineClient):
             eos_ids,
             max_logprobs=engine_args.max_logprobs,
             chat_template=engine_args.load_chat_template(),
+            lora_config=engine_args.create_lora_config(),
+            arch=arch,
         )
         self._input_executor = ThreadPoolExecutor(
             max_workers=_INPUT_THREADS, thread_name_prefix="tokenloom-input"
@@ -100,12 +106,13 @@ class AsyncLLM(EngineClient):
         from tokenloom.model.tokenizer import load_tokenizer
 
         model_config, cache_config, scheduler_config = engine_args.create_configs()
-        path = resolve_model_path(engine_args.model)
+        lora_config = engine_args.create_lora_config()
+        path = resolve_model_path(engine_args.model, engine_args.revision)
         arch = load_arch_config(path)
         model_config = dataclasses.replace(model_config, model=str(path))
         client: AsyncClient
         if multiprocess:
-            mp_client = MPClient(model_config, cache_config, scheduler_config)
+            mp_client = MPClient(model_config, cache_config, scheduler_config, lora_config)
             try:
                 tokenizer = load_tokenizer(path)  # while the core loads the weights
                 mp_client.wait_until_ready()
@@ -115,10 +122,10 @@ class AsyncLLM(EngineClient):
             client = mp_client
         else:
             tokenizer = load_tokenizer(path)
-            core = EngineCore.from_config(model_config, cache_config, scheduler_config)
+            core = EngineCore.from_config(model_config, cache_config, scheduler_config, lora_config)
             client = AsyncInprocClient(InprocClient(core))
         eos_ids = eos_token_ids(arch.eos_token_ids, tokenizer)
-        return cls(engine_args, client, tokenizer, arch.vocab_size, eos_ids, stat_loggers)
+        return cls(engine_args, client, tokenizer, arch.vocab_size, eos_ids, stat_loggers, arch)
 
     # ------------------------------------------------------------------ state
 
@@ -181,6 +188,7 @@ class AsyncLLM(EngineClient):
         *,
         priority: int = 0,
         delta: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream outputs of one request; the last has ``finished=True``.
 
@@ -192,7 +200,12 @@ class AsyncLLM(EngineClient):
             raise self.dead_error
         loop = asyncio.get_running_loop()
         process = functools.partial(
-            self.input_processor.process, request_id, prompt, sampling_params, priority=priority
+            self.input_processor.process,
+            request_id,
+            prompt,
+            sampling_params,
+            priority=priority,
+            lora_request=lora_request,
         )
         text, requests = await loop.run_in_executor(self._input_executor, process)
         if self.errored or self._closed:  # it died while we tokenized
@@ -210,6 +223,13 @@ class AsyncLLM(EngineClient):
         finally:
             if not finished:
                 self._abort_now([request_id])
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Check an adapter against the base model (off the event loop); the core
+        reads its weights when a request first uses it. Raises ``ValueError``."""
+        loop = asyncio.get_running_loop()
+        check = functools.partial(self.input_processor.check_adapter, lora_request)
+        await loop.run_in_executor(self._input_executor, check)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """End requests now; their KV blocks are freed in the core right away."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenloom.engine.exceptions import EngineDeadError
+from tokenloom.lora_request import LoRARequest
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
@@ -85,6 +86,7 @@ class EngineClient(Protocol):
         *,
         priority: int = 0,
         delta: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; the last has ``finished=True``.
 
@@ -92,6 +94,11 @@ class EngineClient(Protocol):
         (naming the field) for an invalid request, ``EngineDeadError`` when the
         engine dies. Closing the iterator early aborts the request.
         """
+        ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Accept a LoRA adapter for later requests, or raise ``ValueError`` saying why not
+        (LoRA disabled, bad path, rank above the limit, another model's shapes)."""
         ...
 
     async def abort(self, request_id: str | Iterable[str]) -> None: ...

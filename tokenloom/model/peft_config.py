@@ -45,12 +45,12 @@ def read_peft_config(path: str | Path, max_lora_rank: int) -> PeftAdapterConfig:
     """Validate an adapter directory; errors name the path and what is wrong."""
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(f"LoRA adapter path {path} is not a directory")
+        raise ValueError(f"LoRA adapter path {path} is not a directory")
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"LoRA adapter {path} has no adapter_config.json")
+        raise ValueError(f"LoRA adapter {path} has no adapter_config.json")
     if not (path / "adapter_model.safetensors").is_file():
-        raise FileNotFoundError(
+        raise ValueError(
             f"LoRA adapter {path} has no adapter_model.safetensors (only safetensors "
             "weights are read)"
         )

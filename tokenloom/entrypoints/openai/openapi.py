@@ -74,10 +74,11 @@ def install_openapi(
     app: FastAPI,
     request_models: list[type[BaseModel]],
     chunk_models: list[type[BaseModel]],
-    model_names: list[str],
+    model_names: list[str] | None,
 ) -> None:
     """Make ``app.openapi()`` include the request and stream chunk models, and restrict
-    the requests' ``model`` to ``model_names``."""
+    the requests' ``model`` to ``model_names`` (None: any string, as when LoRA
+    adapters come and go)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
@@ -93,10 +94,17 @@ def install_openapi(
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for name, definition in defs.get("$defs", {}).items():
             components.setdefault(name, definition)
-        model_field = {
-            "anyOf": [{"type": "string", "enum": model_names}, {"type": "null"}],
-            "description": "The served model name; anything else is a 400.",
-        }
+        if model_names is None:
+            model_field = {
+                "anyOf": [{"type": "string"}, {"type": "null"}],
+                "description": "The served model name or a loaded LoRA adapter's name; "
+                "anything else is a 400.",
+            }
+        else:
+            model_field = {
+                "anyOf": [{"type": "string", "enum": model_names}, {"type": "null"}],
+                "description": "The served model name; anything else is a 400.",
+            }
         for model in request_models:
             properties = components[model.__name__].get("properties", {})
             if "model" in properties:

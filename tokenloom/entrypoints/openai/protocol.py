@@ -394,6 +394,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "tokenloom"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 
@@ -413,3 +414,18 @@ class ErrorResponse(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """Body of ``/v1/load_lora_adapter``: serve the PEFT adapter at ``lora_path`` as
+    the model ``lora_name``."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """Body of ``/v1/unload_lora_adapter``."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None

@@ -17,6 +17,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tokenloom
@@ -35,8 +36,10 @@ from .protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    UnloadLoRAAdapterRequest,
 )
 from .serving_base import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -46,6 +49,7 @@ from .serving_base import (
 )
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
+from .serving_lora import LoRAAdapters
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +64,17 @@ def default_served_model_name(model: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+def parse_lora_modules(values: list[str] | None) -> list[tuple[str, str]]:
+    """``--lora-modules name=path ...`` as (name, path) pairs."""
+    modules = []
+    for value in values or ():
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--lora-modules takes name=path entries, got {value!r}")
+        modules.append((name, path))
+    return modules
+
+
 def build_app(
     engine: EngineClient,
     *,
@@ -68,16 +83,19 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     trust_request_chat_template: bool = False,
     registry: CollectorRegistry | None = None,
+    enable_lora: bool = False,
 ) -> FastAPI:
     """An app serving ``engine`` under ``served_model_name`` (default: the engine's name).
 
     Request bodies above ``max_request_bytes`` get 413. ``/metrics`` exposes
     ``registry``. Without one, a fresh registry is made and a
     ``PrometheusStatLogger`` writing to it joins ``engine.stat_loggers``;
-    pass a registry only if such a logger is already attached.
+    pass a registry only if such a logger is already attached. ``enable_lora``
+    (the engine must have it too) adds the LoRA adapter endpoints.
     """
     model_name = served_model_name or engine.model_name
-    serving = OpenAIServing(engine, model_name, max_waiting_requests)
+    adapters = LoRAAdapters(engine, (model_name, engine.model_name)) if enable_lora else None
+    serving = OpenAIServing(engine, model_name, max_waiting_requests, adapters)
     completions = OpenAIServingCompletion(serving)
     chat = OpenAIServingChat(serving, trust_request_chat_template)
     if registry is None:
@@ -89,11 +107,14 @@ def build_app(
     app.state.serving = serving
     app.state.registry = metrics_registry
     _add_error_handlers(app)
+    lora_bodies: list[type[BaseModel]] = (
+        [LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest] if enable_lora else []
+    )
     install_openapi(
         app,
-        [CompletionRequest, ChatCompletionRequest],
+        [CompletionRequest, ChatCompletionRequest, *lora_bodies],
         [CompletionChunk, ChatCompletionChunk],
-        sorted({model_name, engine.model_name}),
+        None if enable_lora else sorted({model_name, engine.model_name}),
     )
 
     @app.post(
@@ -121,7 +142,46 @@ def build_app(
             root=engine.model_name,
             max_model_len=engine.max_model_len,
         )
-        return ModelList(data=[card]).model_dump()
+        cards = [card]
+        for lora in adapters or ():
+            cards.append(
+                ModelCard(
+                    id=lora.lora_name,
+                    root=lora.lora_path,
+                    parent=model_name,
+                    max_model_len=engine.max_model_len,
+                )
+            )
+        return ModelList(data=cards).model_dump()
+
+    if adapters is not None:
+        lora_adapters = adapters
+
+        @app.post(
+            "/v1/load_lora_adapter",
+            openapi_extra=json_body(LoadLoRAAdapterRequest),
+            response_class=PlainTextResponse,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+        )
+        async def load_lora_adapter(raw_request: Request) -> Response:
+            request = await parse_body(raw_request, LoadLoRAAdapterRequest, max_request_bytes)
+            await lora_adapters.load(request.lora_name, request.lora_path)
+            return PlainTextResponse(
+                f"Success: LoRA adapter '{request.lora_name}' added successfully."
+            )
+
+        @app.post(
+            "/v1/unload_lora_adapter",
+            openapi_extra=json_body(UnloadLoRAAdapterRequest),
+            response_class=PlainTextResponse,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+        )
+        async def unload_lora_adapter(raw_request: Request) -> Response:
+            request = await parse_body(raw_request, UnloadLoRAAdapterRequest, max_request_bytes)
+            lora_adapters.unload(request.lora_name)
+            return PlainTextResponse(
+                f"Success: LoRA adapter '{request.lora_name}' removed successfully."
+            )
 
     @app.get(
         "/health",
@@ -198,6 +258,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="accept a chat_template sent with a request (it is Jinja code run by the server)",
     )
     parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) to serve from the start, each as name=path "
+        "(needs --enable-lora)",
+    )
+    parser.add_argument(
         "--uvicorn-log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -222,6 +290,9 @@ async def _serve(args: argparse.Namespace) -> None:
     if args.max_request_bytes < 1:
         raise SystemExit("--max-request-bytes must be >= 1")
     engine_args = EngineArgs.from_cli_args(args)
+    lora_modules = parse_lora_modules(args.lora_modules)
+    if lora_modules and not engine_args.enable_lora:
+        raise SystemExit("--lora-modules needs --enable-lora")
     model_name = engine_args.served_model_name or default_served_model_name(engine_args.model)
     engine = AsyncLLM.from_engine_args(engine_args)
     try:
@@ -231,7 +302,14 @@ async def _serve(args: argparse.Namespace) -> None:
             max_waiting_requests=args.max_waiting_requests,
             max_request_bytes=args.max_request_bytes,
             trust_request_chat_template=args.trust_request_chat_template,
+            enable_lora=engine_args.enable_lora,
         )
+        adapters = app.state.serving.adapters
+        for name, path in lora_modules:
+            try:
+                await adapters.load(name, path)
+            except OpenAIError as exc:
+                raise SystemExit(f"--lora-modules {name}={path}: {exc.message}") from None
         config = uvicorn.Config(
             app,
             host=args.host,

@@ -21,6 +21,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -30,11 +31,13 @@ from starlette.requests import ClientDisconnect
 
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.protocol import EngineClient
+from tokenloom.lora_request import LoRARequest
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
 from .body import decode_body
 from .errors import OpenAIError, from_value_error
+from .serving_lora import LoRAAdapters
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -227,23 +230,31 @@ class OpenAIServing:
         engine: EngineClient,
         model_name: str,
         max_waiting_requests: int | None = None,
+        adapters: LoRAAdapters | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
+        # LoRA adapters requests may name as their model (None: LoRA is off).
+        self.adapters = adapters
         self.max_waiting_requests = max_waiting_requests
         self.tokenizer = engine.tokenizer
         self._num_not_started = 0
         # Logprobs name the same few thousand tokens over and over.
         self._token_str = functools.lru_cache(maxsize=1 << 17)(self._decode_token)
 
-    def check_model(self, model: str | None) -> None:
-        """The served name is accepted, and so is the engine's own name (the model path)."""
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The served name is accepted, and so is the engine's own name (the model path);
+        a loaded LoRA adapter's name selects that adapter (returned)."""
         aliases = (self.model_name, self.engine.model_name)
-        if model is not None and model not in aliases:
-            raise OpenAIError(
-                f"the model {model[:100]!r} does not exist; this server serves '{self.model_name}'",
-                param="model",
-            )
+        if model is None or model in aliases:
+            return None
+        lora = self.adapters.resolve(model) if self.adapters is not None else None
+        if lora is not None:
+            return lora
+        raise OpenAIError(
+            f"the model {model[:100]!r} does not exist; this server serves '{self.model_name}'",
+            param="model",
+        )
 
     def check_capacity(self, num_new: int) -> None:
         """503 when admitting ``num_new`` more requests would exceed the waiting limit.
@@ -274,25 +285,32 @@ class OpenAIServing:
         delta: bool,
         fields: Mapping[str, str],
         prompt_param: str,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """``engine.generate`` with errors mapped to OpenAIError and admission bookkeeping."""
         self._num_not_started += 1
         started = False
-        stream = self.engine.generate(prompt, params, request_id, priority=priority, delta=delta)
-        try:
-            async for output in stream:
+        stream = self.engine.generate(
+            prompt, params, request_id, priority=priority, delta=delta, lora_request=lora_request
+        )
+        in_use: AbstractContextManager[None] = (
+            self.adapters.in_use(lora_request) if self.adapters is not None else nullcontext()
+        )
+        with in_use:
+            try:
+                async for output in stream:
+                    if not started:
+                        started = True
+                        self._num_not_started -= 1
+                    yield output
+            except ValueError as exc:
+                raise from_value_error(exc, fields, prompt_param) from exc
+            except EngineDeadError as exc:
+                raise OpenAIError(f"the engine is dead: {exc}", status=500) from exc
+            finally:
                 if not started:
-                    started = True
                     self._num_not_started -= 1
-                yield output
-        except ValueError as exc:
-            raise from_value_error(exc, fields, prompt_param) from exc
-        except EngineDeadError as exc:
-            raise OpenAIError(f"the engine is dead: {exc}", status=500) from exc
-        finally:
-            if not started:
-                self._num_not_started -= 1
-            await _aclose(stream)
+                await _aclose(stream)
 
     async def until_ready(
         self,

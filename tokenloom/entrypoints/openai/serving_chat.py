@@ -89,7 +89,7 @@ class OpenAIServingChat:
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         serving = self.serving
-        serving.check_model(request.model)
+        lora = serving.check_model(request.model)
         fields = dict(SAMPLING_FIELDS, max_tokens=request.max_tokens_param, logprobs="top_logprobs")
         try:
             params = request.to_sampling_params()
@@ -106,6 +106,7 @@ class OpenAIServingChat:
             delta=request.stream,
             fields=fields,
             prompt_param="messages",
+            lora_request=lora,
         )
         if request.stream:
             [primed] = await serving.until_ready(raw_request, [prime(stream)], [stream])

@@ -46,7 +46,7 @@ class OpenAIServingCompletion:
 
     async def create(self, request: CompletionRequest, raw_request: Request) -> Response:
         serving = self.serving
-        serving.check_model(request.model)
+        lora = serving.check_model(request.model)
         try:
             params = request.to_sampling_params()
         except ValueError as exc:
@@ -63,6 +63,7 @@ class OpenAIServingCompletion:
                 delta=request.stream,
                 fields=SAMPLING_FIELDS,
                 prompt_param="prompt",
+                lora_request=lora,
             )
             for i, prompt in enumerate(prompts)
         ]
