@@ -97,3 +97,10 @@ def test_unreachable_hub_falls_back_to_cache(hub: Path, monkeypatch: pytest.Monk
     with pytest.raises(FileNotFoundError, match="downloading it failed") as info:
         resolve_hub_model("org/absent")
     assert str(hub) in str(info.value)
+
+
+def test_served_name_of_an_id_is_the_id(hub: Path) -> None:
+    from tokenloom.entrypoints.openai.server import default_served_model_name
+
+    assert default_served_model_name("org/tiny") == "org/tiny"
+    assert default_served_model_name(str(hub)) == "hub"

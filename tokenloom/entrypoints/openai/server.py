@@ -25,6 +25,7 @@ from tokenloom.default_model import DEFAULT_MODEL_NAME
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.protocol import EngineClient
 from tokenloom.metrics.prometheus import PrometheusStatLogger
+from tokenloom.model.hub import looks_like_hub_id
 
 from .errors import OpenAIError, error_body
 from .openapi import generation_responses, install_openapi, json_body
@@ -57,9 +58,12 @@ HEALTH_TIMEOUT_S = 5.0
 
 
 def default_served_model_name(model: str | None) -> str:
-    """The name clients use: the model directory's name, or the .gguf file's stem."""
+    """The name clients use: a Hugging Face id as given (``org/name``), else the model
+    directory's name, or the .gguf file's stem."""
     if model is None:
         return DEFAULT_MODEL_NAME
+    if looks_like_hub_id(model):
+        return model
     path = Path(model.rstrip("/"))
     return path.stem if path.suffix == ".gguf" else path.name
 
