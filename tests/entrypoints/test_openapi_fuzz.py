@@ -72,3 +72,34 @@ def test_generated_requests_get_declared_answers_and_no_5xx() -> None:
     # Every engine request that started was closed again (none leaked).
     assert engine.num_running_requests == 0
     assert sorted(engine.closed) == sorted(engine.started)
+
+
+@pytest.mark.timeout(120)
+def test_lora_endpoints_get_declared_answers_and_no_5xx() -> None:
+    """The same checks on the LoRA endpoints of an app started with enable_lora."""
+    engine = FakeAsyncLLM()
+    schema = schemathesis.openapi.from_asgi("/openapi.json", build_app(engine, enable_lora=True))
+    statuses: Counter[tuple[str, int]] = Counter()
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        if "lora" not in operation.path:
+            continue
+        for mode, count in ((GenerationMode.POSITIVE, 60), (GenerationMode.NEGATIVE, 30)):
+
+            @settings(
+                max_examples=count,
+                derandomize=True,
+                database=None,
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+            )
+            @given(case=operation.as_strategy(generation_mode=mode))
+            def run(case: schemathesis.Case) -> None:
+                response = case.call()
+                statuses[(case.operation.label, response.status_code)] += 1
+                case.validate_response(response, checks=CHECKS)
+
+            run()
+    assert statuses[("POST /v1/load_lora_adapter", 400)] > 10, statuses
+    assert statuses[("POST /v1/unload_lora_adapter", 404)] > 10, statuses
+    assert not any(status >= 500 for _, status in statuses)

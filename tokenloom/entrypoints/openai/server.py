@@ -28,7 +28,7 @@ from tokenloom.metrics.prometheus import PrometheusStatLogger
 from tokenloom.model.hub import looks_like_hub_id
 
 from .errors import OpenAIError, error_body
-from .openapi import generation_responses, install_openapi, json_body
+from .openapi import ERROR_RESPONSES, generation_responses, install_openapi, json_body
 from .protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -160,12 +160,15 @@ def build_app(
 
     if adapters is not None:
         lora_adapters = adapters
+        lora_responses: dict[int | str, dict[str, Any]] = {
+            200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+            **ERROR_RESPONSES,
+        }
 
         @app.post(
             "/v1/load_lora_adapter",
             openapi_extra=json_body(LoadLoRAAdapterRequest),
-            response_class=PlainTextResponse,
-            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+            responses=lora_responses,
         )
         async def load_lora_adapter(raw_request: Request) -> Response:
             request = await parse_body(raw_request, LoadLoRAAdapterRequest, max_request_bytes)
@@ -177,8 +180,10 @@ def build_app(
         @app.post(
             "/v1/unload_lora_adapter",
             openapi_extra=json_body(UnloadLoRAAdapterRequest),
-            response_class=PlainTextResponse,
-            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+            responses={
+                **lora_responses,
+                404: {"model": ErrorResponse, "description": "No adapter of that name."},
+            },
         )
         async def unload_lora_adapter(raw_request: Request) -> Response:
             request = await parse_body(raw_request, UnloadLoRAAdapterRequest, max_request_bytes)
