@@ -7,7 +7,7 @@ Both runs generate the same number of tokens from prompts of the same length
 projection (written as PEFT directories, no peft needed). Runs alternate base,
 mixed, base, ... ``--repeats`` times each; the medians are reported.
 
-    python benchmarks/lora_mixed.py --num-prompts 32 --prompt-len 64 --output-len 64
+    python benchmarks/lora_mixed.py --num-prompts 32 --prompt-len 32 --output-len 32
 """
 
 from __future__ import annotations
@@ -67,7 +67,12 @@ def main() -> None:
     parser.add_argument("--num-adapters", type=int, default=4)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
+    )
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     arch = load_arch_config(resolve_model_path(args.model))
     g = torch.Generator().manual_seed(0)
