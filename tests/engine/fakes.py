@@ -19,3 +19,7 @@ class FakeModelRunner:
     def execute_model(self, scheduler_output: Any) -> Any:
         self.calls.append(scheduler_output)
         return self.fake.execute(scheduler_output)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self.calls.append(("remove_lora", lora_int_id))
+        return False

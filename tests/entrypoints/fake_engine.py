@@ -66,6 +66,7 @@ class FakeAsyncLLM:
         self.chat_options: list[ChatOptions] = []
         self.loras: list[LoRARequest | None] = []  # per started request
         self.added_loras: list[LoRARequest] = []
+        self.removed_loras: list[int] = []
         self._jinja = ImmutableSandboxedEnvironment()
 
     @property
@@ -108,6 +109,9 @@ class FakeAsyncLLM:
         if not Path(lora_request.lora_path).is_dir():
             raise ValueError(f"LoRA adapter path {lora_request.lora_path} is not a directory")
         self.added_loras.append(lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        self.removed_loras.append(lora_int_id)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         self.aborted += [request_id] if isinstance(request_id, str) else list(request_id)

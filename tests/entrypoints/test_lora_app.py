@@ -56,6 +56,7 @@ async def test_load_select_unload(
 
     r = await client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
     assert r.status_code == 200
+    assert engine.removed_loras == [engine.added_loras[0].lora_int_id]  # weights dropped
     assert set(await _models(client)) == {"base"}
     r = await client.post("/v1/completions", json={"model": "sql", "prompt": "hi"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"

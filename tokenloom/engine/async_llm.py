@@ -231,6 +231,10 @@ class AsyncLLM(EngineClient):
         check = functools.partial(self.input_processor.check_adapter, lora_request)
         await loop.run_in_executor(self._input_executor, check)
 
+    async def remove_lora(self, lora_int_id: int) -> None:
+        """Tell the core to drop an adapter's weights (no request may still use it)."""
+        self.client.remove_lora(lora_int_id)
+
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """End requests now; their KV blocks are freed in the core right away."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

@@ -39,6 +39,10 @@ class ModelRunnerProtocol(Protocol):
         """Run one step; must see every SchedulerOutput, also those with no tokens."""
         ...
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a LoRA adapter's weights; False if it had none."""
+        ...
+
 
 class EngineCore:
     """Steps a model runner (weights, KV cache) and the scheduler together.
@@ -124,6 +128,10 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for request_id in request_ids:
             self._first_scheduled.pop(request_id, None)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an unloaded adapter's weights (the front end ensures no request uses it)."""
+        return self.runner.remove_lora(lora_int_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests()

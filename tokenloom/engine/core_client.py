@@ -37,6 +37,7 @@ from tokenloom.engine.messages import (
     CoreOutputs,
     EngineCoreRequest,
     Ready,
+    RemoveLoRA,
     Shutdown,
     encode,
     handshake_decoder,
@@ -61,6 +62,9 @@ class InprocClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self.core.abort_requests(request_ids)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.core.remove_lora(lora_int_id)
 
     def has_work(self) -> bool:
         return self.core.has_work()
@@ -92,7 +96,7 @@ class AsyncInprocClient:
         self._client = client
         self.num_blocks = client.num_blocks
         self.max_model_len = client.max_model_len
-        self._inbox: deque[EngineCoreRequest | AbortRequests] = deque()
+        self._inbox: deque[EngineCoreRequest | AbortRequests | RemoveLoRA] = deque()
         self._lock = threading.Lock()
         self._wake: asyncio.Event | None = None
         self._wake_loop: asyncio.AbstractEventLoop | None = None
@@ -110,6 +114,11 @@ class AsyncInprocClient:
         if request_ids:
             self._inbox.append(AbortRequests(list(request_ids)))
             self._notify()
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Applied in the step thread, after the messages queued before it."""
+        self._inbox.append(RemoveLoRA(lora_int_id))
+        self._notify()
 
     def _notify(self) -> None:
         if self._wake is not None:
@@ -130,6 +139,8 @@ class AsyncInprocClient:
                 if isinstance(message, AbortRequests):
                     self._client.abort_requests(message.request_ids)
                     aborted = True
+                elif isinstance(message, RemoveLoRA):
+                    self._client.remove_lora(message.lora_int_id)
                 else:
                     self._client.add_request(message)
             if self._client.has_work():
@@ -240,7 +251,7 @@ class MPClient:
     def is_alive(self) -> bool:
         return self._dead is None and not self._closed and self.proc.is_alive()
 
-    def _send(self, message: EngineCoreRequest | AbortRequests | Shutdown) -> None:
+    def _send(self, message: EngineCoreRequest | AbortRequests | RemoveLoRA | Shutdown) -> None:
         if self._dead is not None:
             raise self._dead
         self._input.send(encode(message), zmq.NOBLOCK)
@@ -252,6 +263,10 @@ class MPClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.is_alive():
             self._send(AbortRequests(list(request_ids)))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        if self.is_alive():
+            self._send(RemoveLoRA(lora_int_id))
 
     def _mark_dead(self, reason: str) -> EngineDeadError:
         if self._dead is None:

@@ -25,6 +25,7 @@ from tokenloom.engine.messages import (
     CoreError,
     EngineCoreRequest,
     Ready,
+    RemoveLoRA,
     Shutdown,
     StartupError,
     encode,
@@ -133,6 +134,8 @@ def _serve(core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket
                 elif isinstance(message, AbortRequests):
                     core.abort_requests(message.request_ids)
                     aborted = True
+                elif isinstance(message, RemoveLoRA):
+                    core.remove_lora(message.lora_int_id)
                 elif isinstance(message, Shutdown):
                     return
         steps += 1

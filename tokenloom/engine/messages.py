@@ -31,6 +31,12 @@ class AbortRequests(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
+class RemoveLoRA(msgspec.Struct, tag=True):
+    """Drop an unloaded LoRA adapter's weights (no request uses it any more)."""
+
+    lora_int_id: int
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
@@ -59,7 +65,7 @@ class StartupError(msgspec.Struct, tag=True):
     message: str
 
 
-InputMessage = EngineCoreRequest | AbortRequests | Shutdown
+InputMessage = EngineCoreRequest | AbortRequests | RemoveLoRA | Shutdown
 OutputMessage = CoreOutputs | CoreError
 HandshakeMessage = Ready | StartupError
 

@@ -187,7 +187,7 @@ def build_app(
         )
         async def unload_lora_adapter(raw_request: Request) -> Response:
             request = await parse_body(raw_request, UnloadLoRAAdapterRequest, max_request_bytes)
-            lora_adapters.unload(request.lora_name)
+            await lora_adapters.unload(request.lora_name)
             return PlainTextResponse(
                 f"Success: LoRA adapter '{request.lora_name}' removed successfully."
             )

@@ -57,7 +57,7 @@ class LoRAAdapters:
         self._by_name[name] = lora
         return lora
 
-    def unload(self, name: str) -> None:
+    async def unload(self, name: str) -> None:
         lora = self._by_name.get(name)
         if lora is None:
             raise OpenAIError(
@@ -71,6 +71,7 @@ class LoRAAdapters:
                 param="lora_name",
             )
         del self._by_name[name]
+        await self.engine.remove_lora(lora.lora_int_id)
 
     @contextmanager
     def in_use(self, lora: LoRARequest | None) -> Iterator[None]:
