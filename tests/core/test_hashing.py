@@ -64,3 +64,16 @@ def test_extension_reuses_cached_equal_objects() -> None:
     other = extend_block_hashes(_request(list(range(6)) + [42, 43, 44]), 3, cached)
     assert other[0] is owner[0] and other[1] is owner[1]
     assert other[2].parent is owner[1]
+
+
+def test_extra_key_separates_chains_even_when_digests_collide(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The LoRA adapter id keys the chain: same tokens, other adapter, other block."""
+    base = BlockHash(BlockHash(None, (1, 2)), (3, 4))
+    lora = BlockHash(BlockHash(None, (1, 2), extra_key=5), (3, 4))
+    assert lora.extra_key == 5 and base.extra_key == 0
+    assert base != lora and hash(base) != hash(lora)
+    assert lora == BlockHash(BlockHash(None, (1, 2), extra_key=5), (3, 4))
+    monkeypatch.setattr(hashing, "digest_block", lambda parent, tokens: 7)
+    assert BlockHash(None, (1, 2), extra_key=5) != BlockHash(None, (1, 2), extra_key=6)
