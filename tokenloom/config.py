@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 
 def _require(ok: bool, field: str, message: str) -> None:
@@ -112,3 +112,145 @@ class LoRAConfig:
             "max_lora_rank",
             f"must be in [1, 512], got {self.max_lora_rank}",
         )
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# vLLM's keys that tokenloom accepts; any other key is refused at start-up.
+_SPECULATIVE_KEYS = (
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "disable_by_batch_size",
+)
+# Used when a configuration names neither prompt_lookup bound.
+DEFAULT_PROMPT_LOOKUP = (2, 5)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, configured with vLLM's keys.
+
+    ``method`` is ``"ngram"`` (prompt lookup: propose what followed the latest
+    earlier occurrence of the request's last n tokens, ``prompt_lookup_min <= n
+    <= prompt_lookup_max``) or ``"draft_model"`` (``model``: a smaller model with
+    the target's tokenizer and vocabulary). Each step proposes up to
+    ``num_speculative_tokens`` drafts per request; no step speculates while the
+    batch holds more than ``disable_by_batch_size`` requests (None: never off).
+    Build it from user input with ``from_dict`` / ``from_json``, which name
+    any unknown or invalid key.
+    """
+
+    method: Literal["ngram", "draft_model"]
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP[0]
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP[1]
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.method in SPECULATIVE_METHODS,
+            "speculative_config.method",
+            f"must be one of {', '.join(SPECULATIVE_METHODS)}; got {self.method!r}",
+        )
+        _require_int(self.num_speculative_tokens, "num_speculative_tokens", 1)
+        _require_int(self.prompt_lookup_min, "prompt_lookup_min", 1)
+        _require_int(self.prompt_lookup_max, "prompt_lookup_max", 1)
+        _require(
+            self.prompt_lookup_min <= self.prompt_lookup_max,
+            "speculative_config.prompt_lookup_min",
+            f"({self.prompt_lookup_min}) must be <= prompt_lookup_max ({self.prompt_lookup_max})",
+        )
+        if self.disable_by_batch_size is not None:
+            _require_int(self.disable_by_batch_size, "disable_by_batch_size", 1)
+        if self.method == "draft_model":
+            _require(
+                isinstance(self.model, str) and bool(self.model),
+                "speculative_config.model",
+                "must name the draft model (a Hugging Face directory or .gguf file) "
+                "for method 'draft_model'",
+            )
+        else:
+            _require(
+                self.model is None,
+                "speculative_config.model",
+                f"is only used by method 'draft_model', got {self.model!r} with method "
+                f"{self.method!r}",
+            )
+
+    @classmethod
+    def from_dict(cls, config: object) -> SpeculativeConfig:
+        """Parse vLLM's ``speculative_config`` dict; errors name the offending key.
+
+        As in vLLM, ``method`` may be left out when ``model`` names a draft model
+        (or is ``"ngram"``), and one prompt_lookup bound defaults to the other.
+        """
+        if isinstance(config, SpeculativeConfig):
+            return config
+        if not isinstance(config, dict):
+            raise ValueError(
+                f"speculative_config must be a dict (or JSON object), got {type(config).__name__}"
+            )
+        unknown = sorted(str(k) for k in config if k not in _SPECULATIVE_KEYS)
+        if unknown:
+            raise ValueError(
+                f"speculative_config.{unknown[0]} is not a supported key "
+                f"(supported: {', '.join(_SPECULATIVE_KEYS)})"
+            )
+        values: dict[str, Any] = dict(config)
+        method: Any = values.get("method")
+        model = values.get("model")
+        if method is None:
+            if model == "ngram":
+                method, model = "ngram", None
+            elif model is not None:
+                method = "draft_model"
+            else:
+                raise ValueError(
+                    "speculative_config.method is required (ngram or draft_model) unless "
+                    "model names a draft model"
+                )
+        if "num_speculative_tokens" not in values:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        # A missing bound defaults to the other side of the default range, moved so
+        # that the range stays non-empty.
+        low: Any = values.get("prompt_lookup_min")
+        high: Any = values.get("prompt_lookup_max")
+        default_low, default_high = DEFAULT_PROMPT_LOOKUP
+        if low is None:
+            low = min(default_low, high) if _is_int(high) and high >= 1 else default_low
+        if high is None:
+            high = max(default_high, low) if _is_int(low) else default_high
+        return cls(
+            method=method,
+            num_speculative_tokens=values["num_speculative_tokens"],
+            model=model,
+            prompt_lookup_min=low,
+            prompt_lookup_max=high,
+            disable_by_batch_size=values.get("disable_by_batch_size"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """Parse ``--speculative-config`` (a JSON object)."""
+        import json
+
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        return cls.from_dict(config)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require_int(value: object, key: str, minimum: int) -> None:
+    _require(
+        _is_int(value) and value >= minimum,  # type: ignore[operator]
+        f"speculative_config.{key}",
+        f"must be an integer >= {minimum}, got {value!r}",
+    )
