@@ -22,6 +22,9 @@ class SchedulerConfig:
     # long prompts do not starve the decodes sharing the step.
     long_prefill_token_threshold: int = 0
     policy: Literal["fcfs", "priority"] = "fcfs"
+    # Speculative decoding (None: off). It lives here because it shapes each step:
+    # the scheduler schedules drafts with their request, the runner verifies them.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import msgspec
 
 from tokenloom.request import FinishReason
+from tokenloom.spec_decode.metrics import SpecDecodingStats
 
 
 class TokenLogprobs(msgspec.Struct):
@@ -55,6 +56,8 @@ class SchedulerStats(msgspec.Struct):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # Draft verification counts of the steps since the previous snapshot (None: no drafts).
+    spec_decoding_stats: SpecDecodingStats | None = None
 
 
 class EngineCoreOutput(msgspec.Struct):

@@ -12,7 +12,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tokenloom.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from tokenloom.config import (
+    CacheConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from tokenloom.default_model import DEFAULT_MODEL_NAME
 
 # Argument name -> the config field that holds it, where the two differ.
@@ -67,6 +73,8 @@ class EngineArgs:
     chat_template: str | None = None
     # Most top logprobs a request may ask for.
     max_logprobs: int = 20
+    # vLLM's speculative_config: a dict, its JSON text, or a SpeculativeConfig (None: off).
+    speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -143,6 +151,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.policy,  # type: ignore[arg-type]
+                speculative_config=self._speculative_config(),
             )
         except ValueError as exc:
             message = str(exc)
@@ -157,6 +166,24 @@ class EngineArgs:
         if not self.enable_lora:
             return None
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        """Parse and check ``speculative_config``, the draft model's path included."""
+        value = self.speculative_config
+        if value is None:
+            return None
+        if isinstance(value, str):
+            config = SpeculativeConfig.from_json(value)
+        else:
+            config = SpeculativeConfig.from_dict(value)
+        if config.model is not None:
+            from tokenloom.model.paths import resolve_model_path
+
+            try:
+                resolve_model_path(config.model)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"speculative_config.model: {exc}") from None
+        return config
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -224,6 +251,15 @@ class EngineArgs:
         )
         group.add_argument(
             "--max-lora-rank", type=int, default=d.max_lora_rank, help="largest LoRA rank served"
+        )
+        group.add_argument(
+            "--speculative-config",
+            type=str,
+            default=None,
+            help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} '
+            'or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}; '
+            "optional disable_by_batch_size",
         )
         group.add_argument(
             "--chat-template",

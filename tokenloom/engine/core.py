@@ -2,7 +2,9 @@
 
 One ``step()`` is schedule -> execute -> update: the scheduler decides how
 many tokens each request gets, the runner runs one forward pass over them, and
-the scheduler applies the sampled tokens. The core knows nothing of text; it
+the scheduler applies the sampled tokens. With speculative decoding the runner
+then proposes drafts, which go to the scheduler for the next step. The core
+knows nothing of text; it
 runs in the caller's process (``LLM``, tests) or in its own (``core_proc``).
 """
 
@@ -43,6 +45,10 @@ class ModelRunnerProtocol(Protocol):
         """Drop a LoRA adapter's weights; False if it had none."""
         ...
 
+    def take_draft_token_ids(self) -> dict[str, list[int]]:
+        """Drafts proposed after the latest step (only called with speculative decoding)."""
+        ...
+
 
 class EngineCore:
     """Steps a model runner (weights, KV cache) and the scheduler together.
@@ -67,13 +73,16 @@ class EngineCore:
         cache_tokens = (self.num_blocks - 1) * self.cache_config.block_size
         self.max_model_len: int = min(runner.max_model_len, cache_tokens)
         # Stats are always on in the core: the front end reads queue lengths from them.
+        spec_config = scheduler_config.speculative_config
         self.scheduler = Scheduler(
             scheduler_config,
             self.cache_config,
             self.max_model_len,
             log_stats=True,
             lora_config=lora_config,
+            num_speculative_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
         )
+        self._speculative = spec_config is not None
         # Requests scheduled but not yet reported: when they were first scheduled.
         self._first_scheduled: dict[str, float] = {}
         # Tokens the latest step scheduled (0: it could make no progress).
@@ -164,6 +173,11 @@ class EngineCore:
             # Also with no tokens: the runner must hear about finished requests.
             runner_output = self.runner.execute_model(scheduler_output)
         per_client = scheduler.update_from_output(scheduler_output, runner_output)
+        if self._speculative:
+            # Drafts for the requests that sampled, verified in the next step.
+            drafts = self.runner.take_draft_token_ids()
+            if drafts:
+                scheduler.update_draft_token_ids(drafts)
         outputs = per_client.get(_CLIENT_INDEX)
         if outputs is None:
             outputs = EngineCoreOutputs()

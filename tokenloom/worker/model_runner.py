@@ -4,13 +4,12 @@ forward pass over the flattened batch, samples, and reports the tokens.
 It owns the model, the paged KV cache and the persistent batch. The same code
 runs on CPU and CUDA (``ModelConfig.device``).
 
-Speculative decoding hook: drafts proposed elsewhere arrive in
-``scheduled_spec_decode_tokens``. The target token is sampled at each of the
-1 + k positions with the request's own parameters and generator; drafts are
-accepted while they equal the target's choice, and the target token at the
-first mismatch (or the bonus token after k matches) ends the list. Each kept
-token is a sample of the target model given the kept prefix, so the output
-follows the target distribution exactly.
+Speculative decoding (``SchedulerConfig.speculative_config``): drafts arrive
+in ``scheduled_spec_decode_tokens`` and take 1 + k logits rows per request;
+the ``Speculator`` verifies them (exact match, or rejection sampling for a
+draft model's drafts: ``spec_decode/verifier.py``) and, after the step,
+proposes the next drafts, which the engine core collects with
+``take_draft_token_ids``.
 """
 
 from __future__ import annotations
@@ -31,9 +30,12 @@ from tokenloom.model.llama import CausalLM
 from tokenloom.model.loader import load_model
 from tokenloom.model.lora import LoRAManager
 from tokenloom.outputs import ModelRunnerOutput, TokenLogprobs
+from tokenloom.spec_decode.speculator import Speculator
+from tokenloom.spec_decode.verifier import verify
 from tokenloom.worker.host_malloc import keep_freed_memory
 from tokenloom.worker.input_batch import InputBatch
 from tokenloom.worker.sampler import Sampler
+from tokenloom.worker.sampling_metadata import SamplingMetadata
 from tokenloom.worker.step_inputs import (
     StepInputs,
     apply_deltas,
@@ -99,6 +101,19 @@ class ModelRunner:
         self.lora_manager = LoRAManager(self.model, lora_config) if lora_config else None
         self._lora_ids: dict[str, int] = {}
         self._last_index: dict[str, int] = {}
+        self.speculator: Speculator | None = None
+        spec_config = scheduler_config.speculative_config
+        if spec_config is not None:
+            self.speculator = Speculator(
+                spec_config,
+                model_config,
+                self.arch.vocab_size,
+                self.num_blocks,
+                self.block_size,
+                scheduler_config.max_num_seqs,
+                self.max_model_len,
+                generator,
+            )
 
     def _num_kv_blocks(self) -> int:
         """Explicit ``num_blocks``, else ``memory_fraction`` of free memory, capped at
@@ -134,6 +149,10 @@ class ModelRunner:
         the scheduled requests (decodes first); ``sampled_token_ids`` is empty
         for a partial prefill.
         """
+        speculator = self.speculator
+        if speculator is not None:
+            for req_id in scheduler_output.finished_req_ids:
+                speculator.forget(req_id)
         apply_deltas(self.input_batch, scheduler_output, self._eos_token_id)
         if self.lora_manager is not None:
             self._track_adapters(scheduler_output)
@@ -157,14 +176,34 @@ class ModelRunner:
             )
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn_metadata)
             if len(step.row_slots) == 0:
-                return self._output(step.req_ids, [[] for _ in step.req_ids], None)
-            logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
-            metadata = build_sampling_metadata(self.input_batch, step.row_slots, step.row_offsets)
-            sampled = self.sampler(logits, metadata)
-        tokens = sampled.sampled_token_ids.tolist()
-        if step.drafts:
-            return self._verify_drafts(step, tokens, sampled.logprobs)
+                output = self._output(step.req_ids, [[] for _ in step.req_ids], None)
+            else:
+                logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
+                metadata = build_sampling_metadata(
+                    self.input_batch, step.row_slots, step.row_offsets
+                )
+                if step.drafts:
+                    output = self._verify_drafts(step, logits, metadata)
+                else:
+                    output = self._sample(step, logits, metadata)
+        if speculator is not None:
+            sampled = np.fromiter((bool(t) for t in output.sampled_token_ids), bool)
+            speculator.propose(
+                self.input_batch,
+                step.req_ids,
+                step.slots,
+                step.seq_lens - step.query_lens,
+                step.seq_lens,
+                sampled,
+            )
+        return output
 
+    def _sample(
+        self, step: StepInputs, logits: torch.Tensor, metadata: SamplingMetadata
+    ) -> ModelRunnerOutput:
+        """One token per sampling request (no drafts this step)."""
+        sampled = self.sampler(logits, metadata)
+        tokens = sampled.sampled_token_ids.tolist()
         sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
         for i, token in zip(step.sample_idx.tolist(), tokens, strict=True):
             sampled_ids[i] = [token]
@@ -180,32 +219,33 @@ class ModelRunner:
     def _verify_drafts(
         self,
         step: StepInputs,
-        tokens: list[int],
-        row_logprobs: list[TokenLogprobs | None] | None,
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
     ) -> ModelRunnerOutput:
-        """Keep accepted drafts plus the target token at the first mismatch (or the bonus)."""
+        """Kept drafts plus one token per sampling request, appended to the batch.
+
+        Without a speculator (drafts fed by hand, as tests do) they are verified by
+        exact match, which is exact whatever proposed them."""
         batch = self.input_batch
+        sample_idx = step.sample_idx.tolist()
+        req_ids = [step.req_ids[i] for i in sample_idx]
+        drafts = [step.drafts.get(i, []) for i in sample_idx]
+        if self.speculator is not None:
+            kept, kept_logprobs = self.speculator.verify(
+                logits, metadata, self.sampler, req_ids, drafts
+            )
+        else:
+            verified = verify(logits, metadata, self.sampler, drafts)
+            kept, kept_logprobs = verified.token_ids, verified.logprobs
         sampled_ids: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: list[list[TokenLogprobs] | None] | None = None
-        if row_logprobs is not None:
+        if kept_logprobs is not None:
             logprobs = [None] * len(step.req_ids)
-        row = 0
-        for i, num_rows in zip(
-            step.sample_idx.tolist(), step.rows_per_sample.tolist(), strict=True
-        ):
-            targets = tokens[row : row + num_rows]
-            drafts = step.drafts.get(i, [])
-            kept = 1
-            while kept < num_rows and drafts[kept - 1] == targets[kept - 1]:
-                kept += 1
-            accepted = targets[:kept]
-            sampled_ids[i] = accepted
-            batch.append_tokens(int(step.slots[i]), accepted)
-            if logprobs is not None and row_logprobs is not None:
-                entries = row_logprobs[row : row + kept]
-                if entries[0] is not None:
-                    logprobs[i] = [e for e in entries if e is not None]
-            row += num_rows
+        for g, i in enumerate(sample_idx):
+            sampled_ids[i] = kept[g]
+            batch.append_tokens(int(step.slots[i]), kept[g])
+            if logprobs is not None and kept_logprobs is not None:
+                logprobs[i] = kept_logprobs[g]
         return self._output(step.req_ids, sampled_ids, logprobs)
 
     def _track_adapters(self, scheduler_output: SchedulerOutput) -> None:
@@ -223,6 +263,12 @@ class ModelRunner:
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop an adapter's weights (no request may still use it)."""
         return self.lora_manager is not None and self.lora_manager.remove_adapter(lora_int_id)
+
+    def take_draft_token_ids(self) -> dict[str, list[int]]:
+        """Drafts proposed after the latest step, for ``Scheduler.update_draft_token_ids``."""
+        if self.speculator is None:
+            return {}
+        return self.speculator.take_draft_token_ids()
 
     def _output(
         self,

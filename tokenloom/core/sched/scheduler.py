@@ -61,6 +61,7 @@ from tokenloom.outputs import (
     SchedulerStats,
 )
 from tokenloom.request import FinishReason, Request, RequestStatus
+from tokenloom.spec_decode.metrics import SpecDecodingStats
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
@@ -136,6 +137,7 @@ class Scheduler(SchedulerInterface):
         self._prefix_hits = 0
         self._num_preemptions = 0
         self._max_loras = lora_config.max_loras if lora_config is not None else 0
+        self._spec_stats: SpecDecodingStats | None = None
 
     # ------------------------------------------------------------------ requests
 
@@ -461,6 +463,8 @@ class Scheduler(SchedulerInterface):
                     if drafts:
                         accepted = len(sampled) - 1 if sampled else 0
                         request.num_computed_tokens -= len(drafts) - accepted
+                        if self.log_stats:
+                            self._observe_drafts(len(drafts), accepted)
             if not sampled:
                 continue  # a partial prefill produces no token
             kept = request.append_output_token_ids(sampled, max_model_len)
@@ -527,6 +531,12 @@ class Scheduler(SchedulerInterface):
             result.setdefault(first, EngineCoreOutputs()).scheduler_stats = self.make_stats()
         return result
 
+    def _observe_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        stats = self._spec_stats
+        if stats is None:
+            stats = self._spec_stats = SpecDecodingStats.new(self.num_speculative_tokens)
+        stats.observe_draft(num_drafts, num_accepted)
+
     # ------------------------------------------------------------------ misc
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
@@ -540,7 +550,7 @@ class Scheduler(SchedulerInterface):
         return self.kv_cache_manager.reset_prefix_cache()
 
     def make_stats(self) -> SchedulerStats | None:
-        """Gauges now, and prefix-cache/preemption counts since the previous call."""
+        """Gauges now, and prefix-cache/preemption/draft counts since the previous call."""
         if not self.log_stats:
             return None
         stats = SchedulerStats(
@@ -550,8 +560,10 @@ class Scheduler(SchedulerInterface):
             prefix_cache_queries=self._prefix_queries,
             prefix_cache_hits=self._prefix_hits,
             num_preemptions=self._num_preemptions,
+            spec_decoding_stats=self._spec_stats,
         )
         self._prefix_queries = self._prefix_hits = self._num_preemptions = 0
+        self._spec_stats = None
         return stats
 
     def shutdown(self) -> None:
