@@ -101,7 +101,12 @@ def _write_json(result_dir: str | None, name: str, payload: dict) -> Path | None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tokenloom.bench.serve import ServeConfig, run_serve_benchmark
+    from tokenloom.bench.serve import (
+        ServeConfig,
+        format_spec_decoding,
+        run_serve_benchmark,
+        scrape_spec_counters,
+    )
     from tokenloom.bench.stats import format_table
 
     base_url = args.base_url or f"http://{args.host}:{args.port}"
@@ -118,10 +123,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         disable_tqdm=args.disable_tqdm,
     )
+    spec_before = scrape_spec_counters(base_url)
     metrics, results, model = run_serve_benchmark(
         requests, cfg, decode=lambda ids: cast(str, tokenizer.decode(ids))
     )
     print(format_table(metrics, f"Serving benchmark: {model} @ {base_url}"))
+    spec_after = scrape_spec_counters(base_url) if spec_before is not None else None
+    if spec_before is not None and spec_after is not None:
+        line = format_spec_decoding(spec_before, spec_after)
+        if line is not None:
+            print(line)
     for r in results:
         if not r.success:
             print(f"first failure: {r.error}")

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenloom.bench.datasets import BenchRequest
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.spec_decode.metrics import SpecDecodingSummary
 
 if TYPE_CHECKING:
-    from tokenloom.outputs import RequestOutput
+    from tokenloom.outputs import RequestOutput, SchedulerStats
 
 
 class OfflineEngine(Protocol):
@@ -47,6 +48,10 @@ class OfflineResult:
     total_token_throughput: float
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     peak_rss_mib: float
+    # Speculative decoding (all 0 when nothing was drafted).
+    spec_num_drafts: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_acceptance_length: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -91,8 +96,18 @@ def run_offline(llm: OfflineEngine, requests: Sequence[BenchRequest]) -> Offline
     """Generate the whole workload in one ``generate`` call and time it."""
     prompts = [r.prompt_token_ids for r in requests]
     params = sampling_params_for(requests)
+    spec = SpecDecodingSummary()
+    # tokenloom.LLM hands every step's stats to its stat loggers: listen in for the drafts.
+    loggers = getattr(llm, "stat_loggers", None)
+    listener = _SpecListener(spec)
+    if loggers is not None:
+        loggers.append(listener)
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        if loggers is not None:
+            loggers.remove(listener)
     wall = time.perf_counter() - t0
     if len(outputs) != len(requests):
         raise RuntimeError(f"expected {len(requests)} outputs, got {len(outputs)}")
@@ -110,7 +125,19 @@ def run_offline(llm: OfflineEngine, requests: Sequence[BenchRequest]) -> Offline
         total_token_throughput=(n_in + n_out) / wall,
         num_cached_tokens=cached,
         peak_rss_mib=peak_rss_mib(),
+        spec_num_drafts=spec.num_drafts,
+        spec_acceptance_rate=spec.acceptance_rate,
+        spec_mean_acceptance_length=spec.mean_acceptance_length,
     )
+
+
+class _SpecListener:
+    def __init__(self, summary: SpecDecodingSummary) -> None:
+        self.summary = summary
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: object) -> None:
+        if scheduler_stats is not None:
+            self.summary.add(scheduler_stats.spec_decoding_stats)
 
 
 def format_offline(result: OfflineResult) -> str:
@@ -129,5 +156,10 @@ def format_offline(result: OfflineResult) -> str:
         ("Prefix cache hit rate", f"{r.prefix_cache_hit_rate:.1%}"),
         ("Peak RSS (MiB)", f"{r.peak_rss_mib:.0f}"),
     ]
+    if r.spec_num_drafts:
+        rows += [
+            ("Spec decode acceptance rate", f"{r.spec_acceptance_rate:.1%}"),
+            ("Spec decode mean acceptance length", f"{r.spec_mean_acceptance_length:.2f}"),
+        ]
     width = max(len(k) for k, _ in rows) + 2
     return "\n".join(f"{k:<{width}}{v:>16}" for k, v in rows)

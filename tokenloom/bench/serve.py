@@ -175,3 +175,41 @@ def run_serve_benchmark(
     """Blocking wrapper: run the load and aggregate it."""
     results, duration, model = asyncio.run(run_load(requests, cfg, decode))
     return compute_metrics(results, duration), results, model
+
+
+_SPEC_COUNTERS = (
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+)
+
+
+def scrape_spec_counters(base_url: str) -> dict[str, float] | None:
+    """The server's speculative-decoding counters from ``/metrics`` (None: unavailable)."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{base_url.rstrip('/')}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    totals = dict.fromkeys(_SPEC_COUNTERS, 0.0)
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        base = name.split("{", 1)[0].removeprefix("tokenloom:").removesuffix("_total")
+        if base in totals:
+            totals[base] += float(value)
+    return totals
+
+
+def format_spec_decoding(before: dict[str, float], after: dict[str, float]) -> str | None:
+    """Acceptance rate and mean acceptance length over the run (None: nothing drafted)."""
+    drafts, tokens, accepted = (after[k] - before[k] for k in _SPEC_COUNTERS)
+    if drafts <= 0:
+        return None
+    rate = accepted / tokens if tokens else 0.0
+    return (
+        f"Spec decode: acceptance rate {rate:.1%}, mean acceptance length "
+        f"{1 + accepted / drafts:.2f} ({int(drafts)} drafts, {int(tokens)} draft tokens)"
+    )

@@ -104,6 +104,21 @@ class PrometheusStatLogger:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens of finished requests.", count_buckets
         )
+        # Speculative decoding (vLLM's names); per-position acceptance is labelled 0 .. k-1.
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Verifications of draft tokens (one per request and step)."
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Draft tokens verified."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
+        self.spec_decode_num_accepted_tokens_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each position of the drafts.",
+            ("position",),
+        )
         # Expose every finish reason from the start so rate() works on the first request.
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
@@ -132,6 +147,14 @@ class PrometheusStatLogger:
             self.prefix_cache_queries.labels(name).inc(scheduler_stats.prefix_cache_queries)
             self.prefix_cache_hits.labels(name).inc(scheduler_stats.prefix_cache_hits)
             self.num_preemptions.labels(name).inc(scheduler_stats.num_preemptions)
+            spec = scheduler_stats.spec_decoding_stats
+            if spec is not None:
+                self.spec_decode_num_drafts.labels(name).inc(spec.num_drafts)
+                self.spec_decode_num_draft_tokens.labels(name).inc(spec.num_draft_tokens)
+                self.spec_decode_num_accepted_tokens.labels(name).inc(spec.num_accepted_tokens)
+                per_pos = self.spec_decode_num_accepted_tokens_per_pos
+                for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+                    per_pos.labels(name, str(position)).inc(count)
         if iteration_stats is None:
             return
         self.prompt_tokens.labels(name).inc(iteration_stats.num_prompt_tokens)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from tokenloom.outputs import SchedulerStats
+from tokenloom.spec_decode.metrics import SpecDecodingSummary
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ class StatLogger(Protocol):
 
 
 class LoggingStatLogger:
-    """Logs throughput, queue lengths and cache use every ``interval_s`` seconds."""
+    """Logs throughput, queue lengths and cache use every ``interval_s`` seconds, and
+    (when drafts were verified) the acceptance rate and mean acceptance length."""
 
     def __init__(self, interval_s: float = 5.0) -> None:
         self.interval_s = interval_s
@@ -66,6 +68,7 @@ class LoggingStatLogger:
         self._cache_queries = 0
         self._cache_hits = 0
         self._latest: SchedulerStats | None = None
+        self._spec = SpecDecodingSummary()
 
     def record(
         self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
@@ -77,6 +80,7 @@ class LoggingStatLogger:
             self._latest = scheduler_stats
             self._cache_queries += scheduler_stats.prefix_cache_queries
             self._cache_hits += scheduler_stats.prefix_cache_hits
+            self._spec.add(scheduler_stats.spec_decoding_stats)
         now = time.monotonic()
         if now - self._last_log >= self.interval_s:
             self._log(now)
@@ -85,15 +89,20 @@ class LoggingStatLogger:
         elapsed = max(now - self._last_log, 1e-9)
         stats = self._latest or SchedulerStats()
         hit_rate = self._cache_hits / self._cache_queries if self._cache_queries else 0.0
+        spec = ""
+        if self._spec.num_drafts:
+            spec = ", " + self._spec.describe()
+            self._spec.reset()
         logger.info(
             "prompt throughput %.1f tok/s, generation throughput %.1f tok/s, "
-            "running %d, waiting %d, KV cache usage %.1f%%, prefix cache hit rate %.1f%%",
+            "running %d, waiting %d, KV cache usage %.1f%%, prefix cache hit rate %.1f%%%s",
             self._prompt_tokens / elapsed,
             self._generation_tokens / elapsed,
             stats.num_running_reqs,
             stats.num_waiting_reqs,
             stats.kv_cache_usage * 100,
             hit_rate * 100,
+            spec,
         )
         self._last_log = now
         self._prompt_tokens = self._generation_tokens = 0
