@@ -167,3 +167,52 @@ def test_reset_prefix_cache_forgets_cached_blocks(core: EngineCore) -> None:
     assert core.reset_prefix_cache()
     assert run_to_end(core, request("after-reset", 1, prompt)) == 0
     assert usage(core) == 0.0
+
+
+class DraftingRunner(FakeModelRunner):
+    """Proposes two drafts (the token it always samples) for every request that sampled;
+    the fake verifier keeps the first of them."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self.fake.accept = lambda _req_id, drafts: min(1, len(drafts))
+        self.taken = 0
+
+    def take_draft_token_ids(self) -> dict[str, list[int]]:
+        self.taken += 1
+        last = self.calls[-1]
+        return {req_id: [7, 7] for req_id in last.num_scheduled_tokens}
+
+
+def test_drafts_go_from_the_runner_to_the_scheduler_and_stop_at_max_tokens() -> None:
+    from tokenloom.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    runner = DraftingRunner(64)
+    core = EngineCore(
+        runner,
+        CacheConfig(block_size=4, num_blocks=64),
+        SchedulerConfig(speculative_config=spec),
+    )
+    assert core.scheduler.num_speculative_tokens == 2
+    core.add_request(request("a", max_tokens=6))
+    tokens: list[int] = []
+    draft_tokens = accepted = 0
+    finish = None
+    while (result := core.step()) is not None:
+        for out in result.outputs.outputs:
+            tokens.extend(out.new_token_ids)
+            finish = out.finish_reason
+        stats = result.outputs.scheduler_stats
+        if stats is not None and stats.spec_decoding_stats is not None:
+            draft_tokens += stats.spec_decoding_stats.num_draft_tokens
+            accepted += stats.spec_decoding_stats.num_accepted_tokens
+    # 1 token from the prefill, then 2 per step (one accepted draft + one sampled);
+    # the last step's extra token is cut by max_tokens.
+    assert tokens == [7] * 6 and str(finish) == "length"
+    assert [call.scheduled_spec_decode_tokens.get("a") for call in runner.calls[1:4]] == [
+        [7, 7]
+    ] * 3
+    assert (draft_tokens, accepted) == (6, 3)
+    assert runner.taken == len(runner.calls)
+    assert usage(core) == 0.0

@@ -31,7 +31,7 @@ from tokenloom.worker.model_runner import ModelRunner
 pytestmark = pytest.mark.e2e
 
 BLOCK = 16
-NUM_BLOCKS = 24  # 23 usable blocks: the batch below needs more, so requests are preempted
+NUM_BLOCKS = 12  # 11 usable blocks: the batch below needs more, so requests are preempted
 MAX_SEQS = 8
 TEXTS = [
     "Repeat after me: the red fox ran over the hill and the red fox ran over the hill and",
@@ -117,10 +117,10 @@ def _runner(spec: SpeculativeConfig) -> ModelRunner:
 
 
 def _check_same_greedy_outputs(reference: dict, speculative: dict) -> None:
-    assert reference["preemptions"] > 0 and speculative["preemptions"] > 0
     for i in range(5):  # the greedy requests
         assert speculative["tokens"][i] == reference["tokens"][i], i
         assert speculative["reasons"][i] == reference["reasons"][i], i
+    assert reference["preemptions"] > 0 and speculative["preemptions"] > 0
     assert len(reference["tokens"][4]) == 1
     assert speculative["logprob_ids"][3] == reference["logprob_ids"][3]
     assert len(speculative["logprob_ids"][3]) == 20
@@ -135,7 +135,7 @@ def test_ngram_greedy_outputs_identical_and_drafts_accepted() -> None:
     speculative = _run(runner, spec, "ngram")
     _check_same_greedy_outputs(reference, speculative)
     summary = speculative["spec"]
-    assert summary.num_drafts > 10
+    assert summary.num_drafts >= 5, summary.describe()
     assert summary.acceptance_rate > 0.3, summary.describe()
     assert reference["spec"].num_drafts == 0
 

@@ -147,22 +147,16 @@ class Speculator:
     def _propose_ngram(
         self, batch: InputBatch, req_ids: list[str], slots: np.ndarray, caps: np.ndarray
     ) -> None:
+        """One lookup over the proposing rows, cut to the columns they use."""
         assert self.ngram is not None
         rows = np.flatnonzero(caps)
         picked = slots[rows]
-        drafts = self._ngram_rows(batch, picked, caps[rows])
+        lengths = batch.num_tokens[picked]
+        tokens = batch.token_ids[:, : int(lengths.max())][picked]
+        drafts = self.ngram.propose(tokens, lengths, caps[rows])
         for i, proposed in zip(rows.tolist(), drafts, strict=True):
             if proposed:
                 self._drafts[req_ids[i]] = proposed
-
-    def _ngram_rows(
-        self, batch: InputBatch, slots: np.ndarray, caps: np.ndarray
-    ) -> list[list[int]]:
-        """Run the n-gram search over only the columns the picked rows use."""
-        assert self.ngram is not None
-        lengths = batch.num_tokens[slots]
-        width = int(lengths.max())
-        return self.ngram.propose(batch.token_ids[:, :width][slots], lengths, caps)
 
     def take_draft_token_ids(self) -> dict[str, list[int]]:
         """The drafts proposed after the latest step (each request's at most once)."""
