@@ -15,7 +15,7 @@ Both engines (speculation off and on) live in one process, loaded once; for
 each (workload, concurrency) they run back to back, ``--repeats`` times,
 alternating (so both see the same machine), prefix cache reset before each
 run, and the medians are reported. Concurrency ``c`` submits ``c`` requests at
-once (two one after the other for ``c = 1``). TPOT is per request (decode time
+once. TPOT is per request (decode time
 over the tokens after the first, from the engine's own request stats),
 averaged over requests; output tok/s is all output tokens over the run's wall
 time. Greedy outputs are checked to be identical with speculation on and off.
@@ -115,8 +115,8 @@ class Collector:
 
 
 def run_once(llm: Any, workload: dict, count: int) -> dict:
-    """All ``count`` requests at once (so ``count`` run concurrently); one at a time
-    when ``count`` is 1, over the workload's first two prompts."""
+    """The workload's first ``count`` requests, all at once (so ``count`` run
+    concurrently)."""
     from tokenloom import SamplingParams
 
     params = [
@@ -126,15 +126,10 @@ def run_once(llm: Any, workload: dict, count: int) -> dict:
     llm.reset_prefix_cache()
     collector = Collector()
     llm.stat_loggers = [collector]
-    waves = [[i] for i in range(2)] if count == 1 else [list(range(count))]
     started = time.perf_counter()
-    tokens: list[list[int]] = []
-    for wave in waves:
-        outputs = llm.generate(
-            [workload["prompts"][i] for i in wave], [params[i] for i in wave], use_tqdm=False
-        )
-        tokens.extend(list(o.outputs[0].token_ids) for o in outputs)
+    outputs = llm.generate(workload["prompts"][:count], params[:count], use_tqdm=False)
     wall = time.perf_counter() - started
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
     tpots = [
         f.decode_time / (f.num_generation_tokens - 1)
         for f in collector.finished
