@@ -77,3 +77,37 @@ def test_not_a_dict_or_bad_json() -> None:
         SpeculativeConfig.from_dict(["ngram"])
     with pytest.raises(ValueError, match="not valid JSON"):
         SpeculativeConfig.from_json("{method: ngram}")
+
+
+def test_engine_args_and_cli_flag_reach_the_scheduler_config() -> None:
+    import argparse
+    import json
+
+    from tokenloom.engine.args import EngineArgs
+
+    config = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(["--speculative-config", json.dumps(config)]))
+    spec = args.create_configs()[2].speculative_config
+    assert spec == SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, disable_by_batch_size=8
+    )
+    assert EngineArgs(speculative_config=config).create_configs()[2].speculative_config == spec
+    assert EngineArgs().create_configs()[2].speculative_config is None
+
+
+def test_engine_args_refuse_bad_configs_at_start_up(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tokenloom.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match=r"speculative_config\.model: .*does not exist"):
+        EngineArgs(
+            speculative_config={
+                "method": "draft_model",
+                "model": str(tmp_path / "missing"),
+                "num_speculative_tokens": 2,
+            }
+        )
+    with pytest.raises(ValueError, match=r"speculative_config\.prompt_lookup_max"):
+        EngineArgs(
+            speculative_config='{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}'
+        )

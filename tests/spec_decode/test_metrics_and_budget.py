@@ -76,3 +76,38 @@ def test_partial_acceptance_gives_a_middle_budget_and_forget() -> None:
     assert budget.caps(["r"]) == [3]
     budget.forget("r")
     assert len(budget) == 0
+
+
+def test_prometheus_counters_under_vllm_names() -> None:
+    from prometheus_client import generate_latest
+
+    from tokenloom.metrics.prometheus import PrometheusStatLogger
+    from tokenloom.outputs import SchedulerStats
+
+    stats = SpecDecodingStats.new(num_spec_tokens=2)
+    stats.observe_draft(num_draft_tokens=2, num_accepted_tokens=1)
+    logger = PrometheusStatLogger("m")
+    logger.record(SchedulerStats(spec_decoding_stats=stats), None)
+    logger.record(SchedulerStats(spec_decoding_stats=stats), None)
+    text = generate_latest(logger.registry).decode()
+    assert 'tokenloom:spec_decode_num_drafts_total{model_name="m"} 2.0' in text
+    assert 'tokenloom:spec_decode_num_draft_tokens_total{model_name="m"} 4.0' in text
+    assert 'tokenloom:spec_decode_num_accepted_tokens_total{model_name="m"} 2.0' in text
+    assert (
+        'tokenloom:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 2.0'
+        in text
+    )
+
+
+def test_periodic_log_line_has_acceptance(caplog) -> None:  # type: ignore[no-untyped-def]
+    import logging
+
+    from tokenloom.metrics.stats import LoggingStatLogger
+    from tokenloom.outputs import SchedulerStats
+
+    stats = SpecDecodingStats.new(num_spec_tokens=2)
+    stats.observe_draft(num_draft_tokens=2, num_accepted_tokens=1)
+    logger = LoggingStatLogger(interval_s=0.0)
+    with caplog.at_level(logging.INFO, logger="tokenloom.metrics.stats"):
+        logger.record(SchedulerStats(spec_decoding_stats=stats), None)
+    assert "acceptance rate 50.0%, mean acceptance length 2.00" in caplog.text
