@@ -135,8 +135,9 @@ def test_ngram_greedy_outputs_identical_and_drafts_accepted() -> None:
     speculative = _run(runner, spec, "ngram")
     _check_same_greedy_outputs(reference, speculative)
     summary = speculative["spec"]
+    # Drafts were verified, some kept (the repetitive prompts), some rejected.
     assert summary.num_drafts >= 5, summary.describe()
-    assert summary.acceptance_rate > 0.3, summary.describe()
+    assert 3 <= summary.num_accepted_tokens < summary.num_draft_tokens, summary.describe()
     assert reference["spec"].num_drafts == 0
 
 
