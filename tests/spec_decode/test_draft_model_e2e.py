@@ -101,9 +101,9 @@ def _drive(
 def test_self_draft_predicts_the_targets_next_tokens(
     models: tuple[ModelRunner, DraftModelProposer],
 ) -> None:
-    """Chunked prefill (24-token steps) and preemption (14 blocks) in one run."""
+    """Chunked prefill (32-token steps) and preemption (12 blocks) in one run."""
     runner, proposer = models
-    outputs, drafts, preemptions = _drive(runner, proposer, 14, 24, "chunked-preempting")
+    outputs, drafts, preemptions = _drive(runner, proposer, 12, 32, "chunked-preempting")
     assert preemptions > 0
     matched = total = 0
     for req_id, entries in drafts.items():
