@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import enum
+import logging
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from tokenloom.lora_request import LoRARequest
 from tokenloom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenloom.structured_output.manager import StructuredOutputRequest
+
+logger = logging.getLogger(__name__)
 
 
 class FinishReason(str, enum.Enum):
@@ -22,8 +29,14 @@ class FinishReason(str, enum.Enum):
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle of a request. Every value above PREEMPTED is a finished state."""
+    """Lifecycle of a request. Every value above PREEMPTED is a finished state.
 
+    ``WAITING_FOR_FSM``: waiting while its grammar compiles (structured
+    outputs); the scheduler skips it until the grammar is ready, then it is
+    ``WAITING``. It comes first so the other values keep their numbers.
+    """
+
+    WAITING_FOR_FSM = 0
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -98,7 +111,7 @@ class Request:
         "output_token_ids", "stopping_token_ids", "_open_below", "_open_for", "client_index",
         "num_cached_tokens", "sampling_params", "eos_token_id", "arrival_time", "priority",
         "stop_reason", "prompt_token_ids", "num_prompt_tokens", "num_preemptions", "max_tokens",
-        "min_tokens", "block_hashes", "lora_request", "lora_int_id",
+        "min_tokens", "block_hashes", "lora_request", "lora_int_id", "structured_output_request",
     )  # fmt: skip
 
     def __init__(
@@ -153,6 +166,16 @@ class Request:
         # The LoRA adapter it runs with; its id keys its cached blocks (0: base model).
         self.lora_request = lora_request
         self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
+        # The grammar of a structured request (set by the scheduler), else None.
+        self.structured_output_request: StructuredOutputRequest | None = None
+
+    def set_structured_output_request(self, structured: StructuredOutputRequest) -> None:
+        """Constrain this request: every sampled token must then advance the grammar."""
+        self.structured_output_request = structured
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.structured_output_request is not None
 
     @property
     def num_tokens(self) -> int:
@@ -174,6 +197,13 @@ class Request:
         outputs or ``max_model_len`` tokens finishes it as
         ``FINISHED_LENGTH_CAPPED``. A stop token wins over a length cap reached
         by the same token.
+
+        A structured request's grammar accepts each appended token; the
+        grammar reaching its end finishes the request as ``FINISHED_STOPPED``
+        (also when the end is a token it would otherwise not stop on, e.g.
+        EOS with ``ignore_eos``). A token the grammar refuses (the runner
+        masks those, so only a bug gets here) is dropped and the request
+        aborted.
 
         Reports the finish: None when the request runs on (every token was
         appended); when it finished, the tokens appended (``token_ids`` up to
@@ -198,6 +228,9 @@ class Request:
         if max_model_len != self._open_for:
             self._open_for = max_model_len
             self._open_below = min(self.max_tokens, max_model_len - self.num_prompt_tokens) - 1
+            if self.structured_output_request is not None:
+                # Every token of a structured request comes here, to its grammar.
+                self._open_below = 0
         num_out = len(self.output_token_ids)
         # Index of the first token that reaches a length cap (the first token at
         # the latest: a request always gets at least one).
@@ -221,6 +254,8 @@ class Request:
                     is_eos = token == self.eos_token_id and not params.ignore_eos
                     self.stop_reason = None if is_eos else token
                     break
+        if self.structured_output_request is not None:
+            kept, status = self._advance_grammar(token_ids, kept, status)
         if kept < len(token_ids):
             token_ids = token_ids[:kept]
         self.all_token_ids.extend(token_ids)
@@ -229,6 +264,29 @@ class Request:
             return None
         self.status = status
         return token_ids
+
+    def _advance_grammar(
+        self, token_ids: list[int], kept: int, status: RequestStatus | None
+    ) -> tuple[int, RequestStatus | None]:
+        """Feed ``token_ids[:kept]`` to the grammar; where the request ends, and how."""
+        assert self.structured_output_request is not None
+        matcher = self.structured_output_request.grammar
+        if matcher is None:  # not compiled: the scheduler never runs such a request
+            raise RuntimeError(f"request {self.request_id} sampled before its grammar was ready")
+        for i in range(kept):
+            if not matcher.accept_tokens(token_ids[i : i + 1]):
+                logger.error(
+                    "request %s: the grammar refused sampled token %d; aborting it",
+                    self.request_id,
+                    token_ids[i],
+                )
+                self.stop_reason = None
+                return i, RequestStatus.FINISHED_ABORTED
+            if matcher.is_terminated():
+                if status is not _STOPPED or i + 1 < kept:
+                    self.stop_reason = None
+                return i + 1, _STOPPED
+        return kept, status
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tokenloom.structured_output.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -27,6 +29,8 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's name: constrain the output to a JSON schema, regex, choice or grammar.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +81,10 @@ class SamplingParams:
             fail("n", "must be an integer in [1, 2**63)")
         if self.logprobs is not None and (not _is_int64(self.logprobs) or self.logprobs < 0):
             fail("logprobs", "must be an integer >= 0 or None")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            fail("structured_outputs", "must be a StructuredOutputsParams or None")
 
 
 _FLOAT_FIELDS = (

@@ -20,6 +20,7 @@ from tokenloom.lora_request import LoRARequest
 from tokenloom.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
 from tokenloom.request import Request, RequestStatus
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.structured_output.manager import StructuredOutputManager
 
 
 @dataclass
@@ -133,6 +134,7 @@ def make_scheduler(
     num_speculative_tokens: int = 0,
     log_stats: bool = False,
     lora_config: LoRAConfig | None = None,
+    structured_output_manager: StructuredOutputManager | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -151,6 +153,7 @@ def make_scheduler(
         num_speculative_tokens=num_speculative_tokens,
         log_stats=log_stats,
         lora_config=lora_config,
+        structured_output_manager=structured_output_manager,
     )
 
 

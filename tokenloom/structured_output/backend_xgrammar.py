@@ -134,15 +134,22 @@ def validate(params: StructuredOutputsParams) -> None:
 
 
 class XgrammarBackend:
-    """Compiles constraints against one tokenizer; thread-safe (compiles run in a pool)."""
+    """Compiles constraints against one tokenizer; thread-safe (compiles run in a pool).
+
+    ``tokenizer`` is a Hugging Face tokenizer, or an ``xgrammar.TokenizerInfo``
+    already built (tests use small hand-made vocabularies).
+    """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
-        )
+        if isinstance(tokenizer, xgr.TokenizerInfo):
+            self.tokenizer_info = tokenizer
+        else:
+            self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+            )
         # Our own cache (keyed by the constraint) is the one that counts; one
         # compiler thread per compile keeps the shared cores for the model.
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)

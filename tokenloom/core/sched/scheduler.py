@@ -37,6 +37,13 @@ Other choices worth knowing:
   through ``finish_requests`` (aborts); None when there are none.
 * Sampled tokens join a request only through
   ``Request.append_output_token_ids``, which also decides when it finishes.
+* Structured requests (``SamplingParams.structured_outputs``) wait as
+  ``WAITING_FOR_FSM`` while their grammar compiles (in the
+  ``StructuredOutputManager``'s pool) and are skipped by admission, keeping
+  their place in the queue, until it is ready; a grammar that fails to
+  compile finishes its request as aborted. ``get_grammar_bitmask`` gives the
+  step's bitmask for the structured requests that sample in it; drafts of a
+  structured request are cut at the first token its grammar refuses.
 * Requests preempted by ``reset_prefix_cache(reset_running_requests=True)``
   are reported in the next ``preempted_req_ids``; that step admits nothing,
   so the runner drops them before they are resumed.
@@ -44,9 +51,11 @@ Other choices worth knowing:
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterable
 from itertools import repeat
+from typing import TYPE_CHECKING
 
 from tokenloom.config import CacheConfig, LoRAConfig, SchedulerConfig
 from tokenloom.core.kv_cache.manager import KVCacheManager
@@ -60,11 +69,17 @@ from tokenloom.outputs import (
     ModelRunnerOutput,
     SchedulerStats,
 )
-from tokenloom.request import FinishReason, Request, RequestStatus
+from tokenloom.request import Request, RequestStatus
 from tokenloom.spec_decode.metrics import SpecDecodingStats
+
+if TYPE_CHECKING:
+    from tokenloom.structured_output.manager import GrammarOutput, StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
+_WAITING_FOR_FSM = RequestStatus.WAITING_FOR_FSM
 _PREEMPTED = RequestStatus.PREEMPTED
 
 
@@ -79,6 +94,7 @@ class Scheduler(SchedulerInterface):
         num_speculative_tokens: int = 0,
         log_stats: bool = False,
         lora_config: LoRAConfig | None = None,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         """``lora_config``: at most ``max_loras`` distinct LoRA adapters among the
         running requests (so in any step); a waiting request whose adapter would
@@ -97,6 +113,10 @@ class Scheduler(SchedulerInterface):
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens
         self.log_stats = log_stats
+        # Compiles grammars and builds bitmasks; None: structured requests are refused.
+        self.structured_output_manager = structured_output_manager
+        # Structured requests in ``requests`` (0: the step needs no bitmask at all).
+        self._num_structured = 0
 
         self.kv_cache_manager = KVCacheManager(
             num_blocks=cache_config.num_blocks,
@@ -144,9 +164,22 @@ class Scheduler(SchedulerInterface):
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already scheduled")
+        structured = request.sampling_params.structured_outputs
+        if structured is not None:
+            if self.structured_output_manager is None:
+                raise ValueError(
+                    "structured_outputs needs a scheduler with a StructuredOutputManager"
+                )
         if self._unservable(request):
             self._ignore(request)
             return
+        if structured is not None:
+            assert self.structured_output_manager is not None
+            request.set_structured_output_request(
+                self.structured_output_manager.grammar_init(structured)
+            )
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self._num_structured += 1
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -163,6 +196,8 @@ class Scheduler(SchedulerInterface):
             request = self.requests.pop(req_id, None)
             if request is None:
                 continue
+            if request.structured_output_request is not None:
+                self._num_structured -= 1
             if request.status == _RUNNING:
                 running_gone.add(request)
                 self.kv_cache_manager.free(request)
@@ -185,7 +220,11 @@ class Scheduler(SchedulerInterface):
             request = requests.get(req_id)
             if request is None or request.status != _RUNNING:
                 continue
-            request.spec_token_ids = list(drafts[:limit])
+            drafts = list(drafts[:limit])
+            structured = request.structured_output_request
+            if drafts and structured is not None and structured.grammar is not None:
+                drafts = structured.grammar.validate_tokens(drafts)
+            request.spec_token_ids = drafts
             if drafts:
                 self._drafts_seen = True
 
@@ -326,6 +365,15 @@ class Scheduler(SchedulerInterface):
         skipped: list[Request] = []
         while waiting and step.token_budget > 0 and len(running) < config.max_num_seqs:
             request = waiting.peek()
+            if request.status == _WAITING_FOR_FSM:
+                ready = self._grammar_ready(request)
+                if ready is None:  # the grammar failed to compile
+                    waiting.pop()
+                    self._ignore(request, RequestStatus.FINISHED_ABORTED)
+                    continue
+                if not ready:  # still compiling: it keeps its place in the queue
+                    skipped.append(waiting.pop())
+                    continue
             if self._unservable(request):
                 waiting.pop()
                 self._ignore(request)
@@ -386,6 +434,45 @@ class Scheduler(SchedulerInterface):
         for request in reversed(skipped):
             waiting.prepend(request)
 
+    @staticmethod
+    def _grammar_ready(request: Request) -> bool | None:
+        """True (and WAITING now) once the grammar compiled, False while it compiles,
+        None when the compile failed."""
+        structured = request.structured_output_request
+        assert structured is not None
+        if not structured.is_ready():
+            return False
+        if structured.error is not None:
+            logger.error("request %s: %s", request.request_id, structured.error)
+            return None
+        request.status = _WAITING
+        return True
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The step's grammar bitmask: rows for the structured requests that sample in it.
+
+        None when there are none (unstructured batches pay one integer check).
+        A request samples when this step brings it up to all its tokens (drafts
+        included); a partial prefill gets no row.
+        """
+        if not self._num_structured:
+            return None
+        assert self.structured_output_manager is not None
+        requests = self.requests
+        structured = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = requests.get(req_id)
+            if request is None or request.structured_output_request is None:
+                continue
+            matcher = request.structured_output_request.grammar
+            if matcher is not None and request.num_computed_tokens >= request.num_tokens:
+                structured.append((req_id, matcher))
+        if not structured:
+            return None
+        return self.structured_output_manager.grammar_bitmask(
+            structured, scheduler_output.scheduled_spec_decode_tokens
+        )
+
     def _unservable(self, request: Request) -> bool:
         num_tokens = request.num_tokens
         return (
@@ -393,10 +480,14 @@ class Scheduler(SchedulerInterface):
             or -(-num_tokens // self.block_size) > self._capacity_blocks
         )
 
-    def _ignore(self, request: Request) -> None:
+    def _ignore(
+        self, request: Request, status: RequestStatus = RequestStatus.FINISHED_IGNORED
+    ) -> None:
         """Finish a request that can never run; reported by the next update_from_output."""
-        request.status = RequestStatus.FINISHED_IGNORED
-        self.requests.pop(request.request_id, None)
+        request.status = status
+        if self.requests.pop(request.request_id, None) is not None:
+            if request.structured_output_request is not None:
+                self._num_structured -= 1
         self.finished_req_ids.add(request.request_id)
         self._ignored.append(request)
 
@@ -499,6 +590,8 @@ class Scheduler(SchedulerInterface):
                 free(request)
                 req_id = request.request_id
                 del requests[req_id]
+                if request.structured_output_request is not None:
+                    self._num_structured -= 1
                 self.finished_req_ids.add(req_id)
                 finished_ids.setdefault(request.client_index, set()).add(req_id)
             gone = set(finished)
@@ -508,7 +601,7 @@ class Scheduler(SchedulerInterface):
             for request in self._ignored:
                 req_id = request.request_id
                 per_client.setdefault(request.client_index, []).append(
-                    EngineCoreOutput(req_id, [], FinishReason.LENGTH)
+                    EngineCoreOutput(req_id, [], request.get_finished_reason())
                 )
                 finished_ids.setdefault(request.client_index, set()).add(req_id)
             self._ignored = []

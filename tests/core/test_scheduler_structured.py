@@ -1,0 +1,222 @@
+"""Structured requests through the scheduler: waiting for the grammar, bitmasks, the end.
+
+The grammar backend runs for real on a tiny hand-made vocabulary; the model
+is the FakeRunner (it does not apply masks, so tests script its tokens).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.core.utils import (
+    FakeRunner,
+    Harness,
+    assert_no_leaks,
+    finish_all,
+    make_request,
+    make_scheduler,
+    scripted,
+)
+from tokenloom.request import RequestStatus
+from tokenloom.structured_output import StructuredOutputsParams
+from tokenloom.structured_output.manager import StructuredOutputManager
+
+EOS = 0
+VOCAB = ["<eos>", "a", "b", "c", "ab", "x"]
+A, B, C, AB, X = 1, 2, 3, 4, 5
+
+
+def _tiny_info() -> Any:
+    import xgrammar as xgr
+
+    return xgr.TokenizerInfo(VOCAB, xgr.VocabType.RAW, stop_token_ids=[EOS])
+
+
+@pytest.fixture
+def gate() -> Iterator[threading.Event]:
+    """Compiles wait for this event (set by default: no waiting)."""
+    event = threading.Event()
+    event.set()
+    yield event
+    event.set()
+
+
+@pytest.fixture
+def manager(gate: threading.Event) -> Iterator[StructuredOutputManager]:
+    def factory() -> Any:
+        gate.wait(10)
+        return _tiny_info()
+
+    manager = StructuredOutputManager(factory, len(VOCAB), [EOS])
+    yield manager
+    manager.shutdown()
+
+
+def _structured(req_id: str, prompt: int = 3, **kwargs: Any) -> Any:
+    constraint = kwargs.pop("constraint", StructuredOutputsParams(regex="(ab|c)+"))
+    return make_request(req_id, prompt, eos_token_id=EOS, structured_outputs=constraint, **kwargs)
+
+
+def _wait_compiled(scheduler: Any) -> None:
+    """Until every structured request's compile finished (successfully or not)."""
+    deadline = time.monotonic() + 10
+    for request in list(scheduler.requests.values()):
+        structured = request.structured_output_request
+        while structured is not None and not structured.is_ready():
+            assert time.monotonic() < deadline, "grammar did not compile"
+            time.sleep(0.002)
+
+
+def test_without_a_manager_structured_requests_are_refused() -> None:
+    scheduler = make_scheduler()
+    with pytest.raises(ValueError, match="structured_outputs needs"):
+        scheduler.add_request(_structured("s"))
+    assert_no_leaks(scheduler)
+
+
+def test_compiling_requests_wait_and_keep_their_place(
+    manager: StructuredOutputManager, gate: threading.Event
+) -> None:
+    gate.clear()
+    scheduler = make_scheduler(structured_output_manager=manager)
+    runner = FakeRunner(scripted({"s": [AB, C, EOS]}, default=EOS))
+    harness = Harness(scheduler, runner)
+    harness.add(_structured("s"), make_request("free", 3, max_tokens=2))
+    assert scheduler.requests["s"].status == RequestStatus.WAITING_FOR_FSM
+    assert not RequestStatus.is_finished(RequestStatus.WAITING_FOR_FSM)
+
+    so = harness.step()
+    # The free request overtakes the compiling one, which stays first in the queue.
+    assert list(so.num_scheduled_tokens) == ["free"]
+    assert [r.request_id for r in scheduler.waiting] == ["s"]
+    assert scheduler.get_request_counts() == (1, 1)
+    assert scheduler.get_grammar_bitmask(so) is None  # no structured request sampled
+
+    gate.set()
+    _wait_compiled(scheduler)
+    harness.run_until_done()
+    assert harness.tokens("s") == [AB, C, EOS]
+    assert harness.finished["s"].finish_reason == "stop"
+    assert_no_leaks(scheduler)
+
+
+def test_bitmask_rows_only_for_structured_requests_that_sample(
+    manager: StructuredOutputManager,
+) -> None:
+    # A 4-token budget: the long prompt is prefilled in chunks (no sampling, no row).
+    scheduler = make_scheduler(
+        structured_output_manager=manager, max_num_batched_tokens=8, block_size=4
+    )
+    harness = Harness(scheduler, FakeRunner(scripted({}, default=C)))
+    harness.add(
+        _structured("short", prompt=2, max_tokens=3),
+        make_request("free", 2, max_tokens=3),
+        _structured("long", prompt=20, max_tokens=3),
+    )
+    _wait_compiled(scheduler)
+    so = harness.schedule()
+    grammar = scheduler.get_grammar_bitmask(so)
+    assert grammar is not None
+    assert grammar.structured_output_request_ids == ["short"]
+    assert grammar.rows_per_request == [1]
+    allowed = np.unpackbits(grammar.grammar_bitmask[0].view(np.uint8), bitorder="little")
+    # (ab|c)+ at the start: a, ab or c, never b, x or EOS.
+    assert np.flatnonzero(allowed[: len(VOCAB)]).tolist() == [A, C, AB]
+    harness.run(so)
+    harness.run_until_done()
+    assert [harness.finished[r].finish_reason for r in ("short", "free", "long")] == ["length"] * 3
+    assert_no_leaks(scheduler)
+
+
+def test_grammar_end_stops_the_request_even_with_ignore_eos(
+    manager: StructuredOutputManager,
+) -> None:
+    scheduler = make_scheduler(structured_output_manager=manager)
+    runner = FakeRunner(scripted({"s": [A, B, EOS, A]}, default=A))
+    harness = Harness(scheduler, runner)
+    harness.add(
+        _structured("s", constraint=StructuredOutputsParams(choice=["ab"]), ignore_eos=True)
+    )
+    _wait_compiled(scheduler)
+    harness.run_until_done()
+    assert harness.tokens("s") == [A, B, EOS]
+    assert harness.finished["s"].finish_reason == "stop"
+    assert harness.finished["s"].stop_reason is None
+    assert_no_leaks(scheduler)
+
+
+def test_a_token_the_grammar_refuses_aborts_only_that_request(
+    manager: StructuredOutputManager,
+) -> None:
+    scheduler = make_scheduler(structured_output_manager=manager)
+    runner = FakeRunner(scripted({"s": [C, X], "free": [X, X, X]}))
+    harness = Harness(scheduler, runner)
+    harness.add(_structured("s"), make_request("free", 3, max_tokens=3))
+    _wait_compiled(scheduler)
+    harness.run_until_done()
+    assert harness.tokens("s") == [C]
+    assert harness.finished["s"].finish_reason == "abort"
+    assert harness.tokens("free") == [X, X, X]
+    assert_no_leaks(scheduler)
+
+
+def test_a_grammar_that_fails_to_compile_aborts_its_request(
+    manager: StructuredOutputManager,
+) -> None:
+    scheduler = make_scheduler(structured_output_manager=manager)
+    harness = Harness(scheduler)
+    harness.add(
+        _structured("bad", constraint=StructuredOutputsParams(regex="(")),
+        make_request("free", 3, max_tokens=2),
+    )
+    _wait_compiled(scheduler)
+    harness.run_until_done()
+    assert harness.finished["bad"].finish_reason == "abort"
+    assert harness.tokens("bad") == []
+    assert harness.finished["free"].finish_reason == "length"
+    assert_no_leaks(scheduler)
+
+
+def test_drafts_are_cut_at_the_grammar_and_rows_cover_them(
+    manager: StructuredOutputManager,
+) -> None:
+    scheduler = make_scheduler(structured_output_manager=manager, num_speculative_tokens=3)
+    # The fake model accepts one draft per step, then samples C.
+    runner = FakeRunner(scripted({}, default=C), accept=lambda _r, drafts: min(1, len(drafts)))
+    harness = Harness(scheduler, runner)
+    harness.add(_structured("s", max_tokens=8))
+    _wait_compiled(scheduler)
+    harness.step()  # prefill, samples C
+    scheduler.update_draft_token_ids({"s": [AB, B, C]})  # B is refused after AB
+    request = scheduler.requests["s"]
+    assert request.spec_token_ids == [AB]
+    so = harness.schedule()
+    grammar = scheduler.get_grammar_bitmask(so)
+    assert grammar is not None and grammar.rows_per_request == [2]
+    matcher = request.structured_output_request.grammar  # type: ignore[union-attr]
+    assert matcher is not None and matcher.num_processed_tokens == 1  # filling moved nothing
+    harness.run(so)
+    assert harness.tokens("s") == [C, AB, C]
+    assert matcher.num_processed_tokens == 3  # exactly the accepted tokens
+    finish_all(scheduler)
+    harness.step()
+    assert_no_leaks(scheduler)
+
+
+def test_aborting_a_compiling_request(
+    manager: StructuredOutputManager, gate: threading.Event
+) -> None:
+    gate.clear()
+    scheduler = make_scheduler(structured_output_manager=manager)
+    scheduler.add_request(_structured("s"))
+    finish_all(scheduler)
+    gate.set()
+    _wait_compiled(scheduler)
+    assert scheduler.get_grammar_bitmask(scheduler.schedule()) is None
+    assert_no_leaks(scheduler)
