@@ -2,7 +2,8 @@
 
 The tokenizer maps each character to its code point. The engine "generates"
 the successors of "a" (a, b, c, ...), one per step, and reports logprobs that
-make the sampled token the most likely one. Requests are validated the way
+make the sampled token the most likely one; with ``reply`` set it writes that
+text instead, one character per step, and stops (``finish_reason`` stop). Requests are validated the way
 AsyncLLM validates them (vocabulary, context length, --max-logprobs), with
 ValueErrors that start with the field's name, and chats are rendered with a
 real Jinja template.
@@ -68,6 +69,7 @@ class FakeAsyncLLM:
         self.added_loras: list[LoRARequest] = []
         self.removed_loras: list[int] = []
         self._jinja = ImmutableSandboxedEnvironment()
+        self.reply: str | None = None
 
     @property
     def dead_error(self) -> EngineDeadError:
@@ -131,6 +133,10 @@ class FakeAsyncLLM:
             raise ValueError(f"prompt + max_tokens exceeds {self.max_model_len} tokens")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise ValueError(f"logprobs must be at most {self.max_logprobs} (--max-logprobs)")
+        if params.structured_outputs is not None:
+            from tokenloom.structured_output.backend_xgrammar import validate
+
+            validate(params.structured_outputs)
 
     async def generate(
         self,
@@ -152,6 +158,9 @@ class FakeAsyncLLM:
         self.params.append(sampling_params)
         self.num_running_requests += 1
         max_tokens = sampling_params.max_tokens or self.max_model_len - len(ids)
+        reply = self.reply
+        if reply is not None:
+            max_tokens = min(max_tokens, len(reply))
         texts = [""] * sampling_params.n
         tokens: list[list[int]] = [[] for _ in range(sampling_params.n)]
         history: list[list[dict[int, float]]] = [[] for _ in range(sampling_params.n)]
@@ -164,7 +173,7 @@ class FakeAsyncLLM:
                 outputs = []
                 last = step == max_tokens - 1
                 for index in range(sampling_params.n):
-                    token = ord("a") + (index + step) % 26
+                    token = ord("a") + (index + step) % 26 if reply is None else ord(reply[step])
                     tokens[index].append(token)
                     texts[index] += chr(token)
                     logprobs = None
@@ -179,7 +188,11 @@ class FakeAsyncLLM:
                             index=index,
                             text=chr(token) if delta else texts[index],
                             token_ids=[token] if delta else list(tokens[index]),
-                            finish_reason="length" if last else None,
+                            finish_reason=None
+                            if not last
+                            else "length"
+                            if reply is None
+                            else "stop",
                             logprobs=logprobs,
                         )
                     )

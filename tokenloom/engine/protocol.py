@@ -31,13 +31,16 @@ class ChatOptions:
 
     ``chat_template`` overrides the engine's default template (the server's
     ``--chat-template``, else the model's own); ``chat_template_kwargs`` become
-    extra template variables.
+    extra template variables. ``tools`` (OpenAI tool definitions) are shown to
+    the model; when no template was chosen and the model's own ignores tools,
+    the bundled Hermes-style template renders them.
     """
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass

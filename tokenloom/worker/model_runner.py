@@ -32,6 +32,8 @@ from tokenloom.model.lora import LoRAManager
 from tokenloom.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenloom.spec_decode.speculator import Speculator
 from tokenloom.spec_decode.verifier import verify
+from tokenloom.structured_output.manager import GrammarOutput
+from tokenloom.worker.grammar_bitmask import apply_grammar_bitmask
 from tokenloom.worker.host_malloc import keep_freed_memory
 from tokenloom.worker.input_batch import InputBatch
 from tokenloom.worker.sampler import Sampler
@@ -141,13 +143,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
         """Run the step the scheduler decided; tokens for the requests that sample.
 
         Must see every SchedulerOutput (also those with no tokens scheduled) so
         that finished and preempted requests leave the batch. The output lists
         the scheduled requests (decodes first); ``sampled_token_ids`` is empty
-        for a partial prefill.
+        for a partial prefill. ``grammar_output`` (structured requests) masks
+        the logits of its requests before sampling; other rows are untouched.
         """
         speculator = self.speculator
         if speculator is not None:
@@ -179,6 +184,11 @@ class ModelRunner:
                 output = self._output(step.req_ids, [[] for _ in step.req_ids], None)
             else:
                 logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
+                if grammar_output is not None:
+                    # Draft rows too: verification then judges drafts by the
+                    # masked target distribution.
+                    rows = _logits_rows(step, grammar_output)
+                    apply_grammar_bitmask(logits, grammar_output, rows)
                 metadata = build_sampling_metadata(
                     self.input_batch, step.row_slots, step.row_offsets
                 )
@@ -285,6 +295,20 @@ class ModelRunner:
             sampled_token_ids=sampled_ids,
             logprobs=logprobs,
         )
+
+
+def _logits_rows(step: StepInputs, grammar: GrammarOutput) -> dict[str, tuple[int, int]]:
+    """(first logits row, number of rows) of each structured request that samples."""
+    wanted = set(grammar.structured_output_request_ids)
+    rows: dict[str, tuple[int, int]] = {}
+    first = 0
+    req_ids = step.req_ids
+    for i, count in zip(step.sample_idx.tolist(), step.rows_per_sample.tolist(), strict=True):
+        req_id = req_ids[i]
+        if req_id in wanted:
+            rows[req_id] = (first, count)
+        first += count
+    return rows
 
 
 def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:

@@ -15,14 +15,20 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
-    model_serializer,
 )
 
 from tokenloom.engine.protocol import ChatOptions
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.structured_output import StructuredOutputsParams
 
 from .errors import OpenAIError
+from .tools import (
+    ChatCompletionToolsParam,
+    DeltaToolCall,
+    ToolCall,
+    ToolChoice,
+    tool_choice_constraint,
+)
 
 # ---------------------------------------------------------------- requests
 
@@ -49,6 +55,60 @@ def _documented(default: Any = None, **bounds: Any) -> Any:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaResponseFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: the schema the reply must follow."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    # ``schema`` shadows a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's ``structured_outputs`` request field: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    def to_params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(
+            json=self.json_,
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+            json_object=bool(self.json_object),
+            disable_any_whitespace=self.disable_any_whitespace,
+        )
+
+
+# Where a request's output constraint may come from, in the order they are checked.
+_CONSTRAINT_SOURCES = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "tool_choice",
+)
 
 
 class _SamplingRequest(BaseModel):
@@ -78,6 +138,14 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = _documented(0, minimum=INT64_MIN, maximum=INT64_MAX)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs,
+    # and the older guided_* fields many clients still send. At most one.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -100,6 +168,45 @@ class _SamplingRequest(BaseModel):
             raise OpenAIError(
                 f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids"
             )
+
+    def output_constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's output constraint and the field it came from (None, None: none).
+
+        Raises ``OpenAIError`` naming the field when it is malformed or when
+        more than one field constrains the output.
+        """
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        for source in _CONSTRAINT_SOURCES:
+            try:
+                params = self._constraint_from(source)
+            except ValueError as exc:
+                raise OpenAIError(str(exc), param=source) from exc
+            if params is not None:
+                found.append((source, params))
+        if not found:
+            return None, None
+        if len(found) > 1:
+            names = " and ".join(source for source, _ in found)
+            raise OpenAIError(
+                f"only one field may constrain the output, got {names}", param=found[1][0]
+            )
+        source, params = found[0]
+        return params, source
+
+    def _constraint_from(self, source: str) -> StructuredOutputsParams | None:
+        if source == "response_format":
+            return _response_format_constraint(self.response_format)
+        if source == "structured_outputs":
+            return None if self.structured_outputs is None else self.structured_outputs.to_params()
+        if source == "guided_json" and self.guided_json is not None:
+            return StructuredOutputsParams(json=self.guided_json)
+        if source == "guided_regex" and self.guided_regex is not None:
+            return StructuredOutputsParams(regex=self.guided_regex)
+        if source == "guided_choice" and self.guided_choice is not None:
+            return StructuredOutputsParams(choice=self.guided_choice)
+        if source == "guided_grammar" and self.guided_grammar is not None:
+            return StructuredOutputsParams(grammar=self.guided_grammar)
+        return None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Build SamplingParams; its ValueError (naming the field) propagates."""
@@ -127,8 +234,19 @@ class _SamplingRequest(BaseModel):
             n=self.n,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.output_constraint()[0],
             **fields,
         )
+
+
+def _response_format_constraint(fmt: ResponseFormat | None) -> StructuredOutputsParams | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+        raise ValueError("response_format of type json_schema needs json_schema.schema")
+    return StructuredOutputsParams(json=fmt.json_schema.json_schema)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -207,10 +325,6 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ResponseFormat(BaseModel):
-    type: str = "text"
-
-
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions. ``max_completion_tokens`` wins over ``max_tokens``."""
 
@@ -223,8 +337,10 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: ResponseFormat | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    # Default: "auto" with tools, "none" without.
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def max_tokens_param(self) -> str:
@@ -235,10 +351,6 @@ class ChatCompletionRequest(_SamplingRequest):
         self._check_common()
         if not self.messages:
             raise OpenAIError("messages must not be empty", param="messages")
-        if self.tools:
-            raise OpenAIError("tools are not supported", param="tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise OpenAIError("only response_format type 'text' is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_CHAT_TOP_LOGPROBS:
@@ -259,12 +371,30 @@ class ChatCompletionRequest(_SamplingRequest):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
 
+    def _constraint_from(self, source: str) -> StructuredOutputsParams | None:
+        if source == "tool_choice":
+            return tool_choice_constraint(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return super()._constraint_from(source)
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template sees them (None: do not show tools)."""
+        if not self.tools or self.effective_tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
     def chat_options(self) -> ChatOptions:
         return ChatOptions(
             add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
             chat_template=self.chat_template,
             chat_template_kwargs=dict(self.chat_template_kwargs or {}),
+            tools=self.tool_dicts(),
         )
 
 
@@ -273,6 +403,10 @@ class ChatCompletionRequest(_SamplingRequest):
 
 def _now() -> int:
     return int(time.time())
+
+
+def _is_none(value: object) -> bool:
+    return value is None
 
 
 class UsageInfo(BaseModel):
@@ -330,8 +464,11 @@ class ChatChoiceLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
+    """The reply; ``tool_calls`` is left out when there are none, as OpenAI does."""
+
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -354,12 +491,9 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     """A streamed message fragment; unset fields are left out, as OpenAI does."""
 
-    role: str | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+    role: str | None = Field(default=None, exclude_if=_is_none)
+    content: str | None = Field(default=None, exclude_if=_is_none)
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatStreamChoice(BaseModel):

@@ -51,6 +51,10 @@ from .serving_base import (
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 from .serving_lora import LoRAAdapters
+from .tool_parsers import tool_parser_names
+
+# The format the bundled tool template asks models for.
+DEFAULT_TOOL_CALL_PARSER = "hermes"
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +90,7 @@ def build_app(
     max_waiting_requests: int | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     trust_request_chat_template: bool = False,
+    tool_call_parser: str | None = DEFAULT_TOOL_CALL_PARSER,
     registry: CollectorRegistry | None = None,
     enable_lora: bool = False,
 ) -> FastAPI:
@@ -96,12 +101,14 @@ def build_app(
     ``PrometheusStatLogger`` writing to it joins ``engine.stat_loggers``;
     pass a registry only if such a logger is already attached. ``enable_lora``
     (the engine must have it too) adds the LoRA adapter endpoints.
+    ``tool_call_parser`` extracts calls for ``tool_choice: "auto"`` (None:
+    calls stay in the content).
     """
     model_name = served_model_name or engine.model_name
     adapters = LoRAAdapters(engine, (model_name, engine.model_name)) if enable_lora else None
     serving = OpenAIServing(engine, model_name, max_waiting_requests, adapters)
     completions = OpenAIServingCompletion(serving)
-    chat = OpenAIServingChat(serving, trust_request_chat_template)
+    chat = OpenAIServingChat(serving, trust_request_chat_template, tool_call_parser)
     if registry is None:
         registry = CollectorRegistry()
         engine.stat_loggers.append(PrometheusStatLogger(model_name, registry, engine.max_model_len))
@@ -275,6 +282,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(needs --enable-lora)",
     )
     parser.add_argument(
+        "--tool-call-parser",
+        default=DEFAULT_TOOL_CALL_PARSER,
+        choices=tool_parser_names(),
+        help="how to find tool calls in output for tool_choice auto (default: hermes, the "
+        "format of the bundled tool template)",
+    )
+    parser.add_argument(
         "--uvicorn-log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -312,6 +326,7 @@ async def _serve(args: argparse.Namespace) -> None:
             max_request_bytes=args.max_request_bytes,
             trust_request_chat_template=args.trust_request_chat_template,
             enable_lora=engine_args.enable_lora,
+            tool_call_parser=args.tool_call_parser,
         )
         adapters = app.state.serving.adapters
         for name, path in lora_modules:

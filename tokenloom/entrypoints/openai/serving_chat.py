@@ -1,4 +1,9 @@
-"""POST /v1/chat/completions: messages through the model's chat template, optionally streamed."""
+"""POST /v1/chat/completions: messages through the model's chat template, optionally streamed.
+
+With ``tools``, the reply's tool calls are extracted by a tool-call parser
+(``tools.tool_parser_for``) and sent as ``message.tool_calls`` with
+``finish_reason: "tool_calls"``; streamed, as OpenAI's tool-call deltas.
+"""
 
 from __future__ import annotations
 
@@ -39,6 +44,15 @@ from .serving_base import (
     sse_error,
     top_entries,
 )
+from .tool_parsers import ToolCallDelta, ToolCallStreamer, ToolParser
+from .tools import (
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+    new_tool_call_id,
+    tool_parser_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +81,18 @@ class OpenAIServingChat:
     when started with ``--trust-request-chat-template``.
     """
 
-    def __init__(self, serving: OpenAIServing, trust_request_chat_template: bool = False) -> None:
+    def __init__(
+        self,
+        serving: OpenAIServing,
+        trust_request_chat_template: bool = False,
+        tool_call_parser: str | None = None,
+    ) -> None:
         self.serving = serving
         self.trust_request_chat_template = trust_request_chat_template
+        self.tool_call_parser = tool_call_parser
+
+    def _tool_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
+        return tool_parser_for(request.tools, request.effective_tool_choice, self.tool_call_parser)
 
     async def render(self, request: ChatCompletionRequest) -> list[int]:
         """The prompt token ids of the conversation (rendered off the event loop by the engine)."""
@@ -95,6 +118,9 @@ class OpenAIServingChat:
             params = request.to_sampling_params()
         except ValueError as exc:
             raise from_value_error(exc, fields, None) from exc
+        # The engine's checks of the constraint name structured_outputs: blame
+        # the request field it came from.
+        fields["structured_outputs"] = request.output_constraint()[1] or "structured_outputs"
         serving.check_capacity(1)
         prompt_ids = await self.render(request)
         request_id = new_request_id("chatcmpl")
@@ -119,18 +145,35 @@ class OpenAIServingChat:
     def _response(
         self, request: ChatCompletionRequest, request_id: str, final: RequestOutput
     ) -> ChatCompletionResponse:
-        choices = [
-            ChatCompletionChoice(
-                index=out.index,
-                message=ChatResponseMessage(content=out.text),
-                logprobs=self._logprobs(out, request.top_logprobs or 0)
-                if request.logprobs
-                else None,
-                finish_reason=out.finish_reason,
-                stop_reason=out.stop_reason,
+        choices = []
+        for out in sorted(final.outputs, key=lambda o: o.index):
+            message = ChatResponseMessage(content=out.text)
+            finish_reason = out.finish_reason
+            parser = self._tool_parser(request)
+            if parser is not None:
+                parsed = parser.parse(out.text, final=True)
+                calls = [c for c in parsed.calls if c.name is not None]
+                if calls:
+                    message = ChatResponseMessage(
+                        content=parsed.content,
+                        tool_calls=[
+                            ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments))
+                            for c in calls
+                            if c.name is not None
+                        ],
+                    )
+                    finish_reason = _tool_finish(finish_reason)
+            choices.append(
+                ChatCompletionChoice(
+                    index=out.index,
+                    message=message,
+                    logprobs=self._logprobs(out, request.top_logprobs or 0)
+                    if request.logprobs
+                    else None,
+                    finish_reason=finish_reason,
+                    stop_reason=out.stop_reason,
+                )
             )
-            for out in sorted(final.outputs, key=lambda o: o.index)
-        ]
         completion_tokens = sum(len(out.token_ids) for out in final.outputs)
         return ChatCompletionResponse(
             id=request_id,
@@ -153,6 +196,10 @@ class OpenAIServingChat:
             return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]), drop=drop)
 
         prompt_tokens = completion_tokens = 0
+        # Per choice with tools: the text so far and what of it was already sent.
+        tool_streams = {}
+        if self._tool_parser(request) is not None:
+            tool_streams = {i: _ToolStream(self._tool_parser(request)) for i in range(request.n)}
         try:
             for index in range(request.n):
                 role = DeltaMessage(role="assistant", content="")
@@ -164,15 +211,27 @@ class OpenAIServingChat:
                     logprobs = None
                     if request.logprobs and out.token_ids:
                         logprobs = self._logprobs(out, request.top_logprobs or 0)
-                    if not out.text and logprobs is None and out.finish_reason is None:
+                    finish_reason = out.finish_reason
+                    tools = tool_streams.get(out.index)
+                    if tools is not None:
+                        delta = tools.feed(out.text, finished=finish_reason is not None)
+                        if tools.num_calls and finish_reason is not None:
+                            finish_reason = _tool_finish(finish_reason)
+                    else:
+                        delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
+                    if (
+                        delta.content is None
+                        and delta.tool_calls is None
+                        and logprobs is None
+                        and finish_reason is None
+                    ):
                         continue
-                    delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
                     yield chunk(
                         ChatStreamChoice(
                             index=out.index,
                             delta=delta,
                             logprobs=logprobs,
-                            finish_reason=out.finish_reason,
+                            finish_reason=finish_reason,
                             stop_reason=out.stop_reason,
                         )
                     )
@@ -210,6 +269,45 @@ class OpenAIServingChat:
                 )
             )
         return ChatChoiceLogprobs(content=content)
+
+
+class _ToolStream:
+    """One streamed choice of a request with tools: text in, content and tool-call deltas out."""
+
+    def __init__(self, parser: ToolParser | None) -> None:
+        assert parser is not None
+        self.streamer = ToolCallStreamer(parser)
+        self.text = ""
+        self.ids: list[str] = []
+
+    @property
+    def num_calls(self) -> int:
+        return self.streamer.num_calls
+
+    def feed(self, text_delta: str, *, finished: bool) -> DeltaMessage:
+        self.text += text_delta
+        content, deltas = self.streamer.update(self.text, final=finished)
+        calls = [self._delta(d) for d in deltas]
+        return DeltaMessage(content=content or None, tool_calls=calls or None)
+
+    def _delta(self, delta: ToolCallDelta) -> DeltaToolCall:
+        if delta.name is not None:
+            # The first fragment of a call: its id, type and name (OpenAI's order).
+            self.ids.append(new_tool_call_id())
+            return DeltaToolCall(
+                index=delta.index,
+                id=self.ids[delta.index],
+                type="function",
+                function=DeltaFunctionCall(name=delta.name, arguments=delta.arguments),
+            )
+        return DeltaToolCall(
+            index=delta.index, function=DeltaFunctionCall(arguments=delta.arguments)
+        )
+
+
+def _tool_finish(finish_reason: str | None) -> str | None:
+    """A reply that made tool calls and stopped by itself finished with ``tool_calls``."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def _utf8(text: str) -> list[int]:

@@ -51,6 +51,10 @@ class OpenAIServingCompletion:
             params = request.to_sampling_params()
         except ValueError as exc:
             raise from_value_error(exc, SAMPLING_FIELDS, None) from exc
+        # The engine's checks of the constraint name structured_outputs: blame
+        # the request field it came from.
+        source = request.output_constraint()[1] or "structured_outputs"
+        fields = dict(SAMPLING_FIELDS, structured_outputs=source)
         prompts = request.prompts()
         serving.check_capacity(len(prompts))
         request_id = new_request_id("cmpl")
@@ -61,7 +65,7 @@ class OpenAIServingCompletion:
                 f"{request_id}-{i}",
                 priority=request.priority,
                 delta=request.stream,
-                fields=SAMPLING_FIELDS,
+                fields=fields,
                 prompt_param="prompt",
                 lora_request=lora,
             )

@@ -68,18 +68,26 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+# Streamed fragments leave unset fields out, as OpenAI does.
+_OMITTED_IF_NONE: Any = Field(default=None, exclude_if=_is_none)
+
+
 class DeltaFunctionCall(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
+    name: str | None = _OMITTED_IF_NONE
+    arguments: str | None = _OMITTED_IF_NONE
 
 
 class DeltaToolCall(BaseModel):
     """A streamed fragment of tool call ``index``: id, type and name come first."""
 
     index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall | None = None
+    id: str | None = _OMITTED_IF_NONE
+    type: Literal["function"] | None = _OMITTED_IF_NONE
+    function: DeltaFunctionCall | None = _OMITTED_IF_NONE
 
 
 def new_tool_call_id() -> str:
