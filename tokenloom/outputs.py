@@ -58,6 +58,11 @@ class SchedulerStats(msgspec.Struct):
     num_preemptions: int = 0
     # Draft verification counts of the steps since the previous snapshot (None: no drafts).
     spec_decoding_stats: SpecDecodingStats | None = None
+    # Structured outputs, since the previous snapshot: requests added, grammars
+    # compiled (seconds each) and requests that reused a cached grammar.
+    num_structured_requests: int = 0
+    grammar_compile_times: list[float] = msgspec.field(default_factory=list)
+    grammar_cache_hits: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct):

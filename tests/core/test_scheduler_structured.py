@@ -220,3 +220,18 @@ def test_aborting_a_compiling_request(
     _wait_compiled(scheduler)
     assert scheduler.get_grammar_bitmask(scheduler.schedule()) is None
     assert_no_leaks(scheduler)
+
+
+def test_stats_count_requests_compiles_and_cache_hits(manager: StructuredOutputManager) -> None:
+    scheduler = make_scheduler(structured_output_manager=manager, log_stats=True)
+    harness = Harness(scheduler, FakeRunner(scripted({}, default=C)))
+    harness.add(*[_structured(f"s{i}", max_tokens=2) for i in range(4)])
+    harness.add(_structured("other", max_tokens=2, constraint=StructuredOutputsParams(regex="c+")))
+    _wait_compiled(scheduler)
+    stats = scheduler.make_stats()
+    assert stats is not None
+    assert stats.num_structured_requests == 5
+    assert stats.grammar_cache_hits == 3  # four requests, one schema: compiled once
+    assert len(stats.grammar_compile_times) == 2
+    harness.run_until_done()
+    assert_no_leaks(scheduler)

@@ -101,3 +101,21 @@ def test_two_loggers_do_not_share_a_registry() -> None:
 def test_token_count_buckets_reach_the_context_length() -> None:
     assert token_count_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
     assert token_count_buckets(2048)[-1] == 5000
+
+
+def test_structured_output_metrics() -> None:
+    registry = CollectorRegistry()
+    stat_logger = PrometheusStatLogger("m", registry)
+    assert value(registry, "tokenloom:structured_output_requests_total") == 0
+    # 64 requests for one schema: one compile, 63 reuses.
+    stat_logger.record(
+        SchedulerStats(
+            num_structured_requests=64, grammar_compile_times=[0.02], grammar_cache_hits=63
+        ),
+        None,
+    )
+    stat_logger.record(SchedulerStats(num_structured_requests=1, grammar_cache_hits=1), None)
+    assert value(registry, "tokenloom:structured_output_requests_total") == 65
+    assert value(registry, "tokenloom:structured_output_grammar_cache_hits_total") == 64
+    assert value(registry, "tokenloom:structured_output_compile_time_seconds_count") == 1
+    assert value(registry, "tokenloom:structured_output_compile_time_seconds_sum") == 0.02

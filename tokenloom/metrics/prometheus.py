@@ -24,6 +24,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0)
+_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _REQUEST_TIME_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
@@ -97,6 +98,18 @@ class PrometheusStatLogger:
         self.request_decode_time = histogram(
             "request_decode_time_seconds", "First token to last token.", _REQUEST_TIME_BUCKETS
         )
+        self.structured_requests = counter(
+            "structured_output_requests", "Requests with structured outputs (a grammar)."
+        )
+        self.grammar_compile_time = histogram(
+            "structured_output_compile_time_seconds",
+            "Time to compile one grammar (cache misses only).",
+            _COMPILE_BUCKETS,
+        )
+        self.grammar_cache_hits = counter(
+            "structured_output_grammar_cache_hits",
+            "Structured requests that reused an already compiled (or compiling) grammar.",
+        )
         count_buckets = token_count_buckets(max_model_len)
         self.request_prompt_tokens = histogram(
             "request_prompt_tokens", "Prompt length of finished requests.", count_buckets
@@ -131,6 +144,9 @@ class PrometheusStatLogger:
             self.num_preemptions,
             self.prompt_tokens,
             self.generation_tokens,
+            self.structured_requests,
+            self.grammar_compile_time,
+            self.grammar_cache_hits,
         ):
             metric.labels(model_name)
 
@@ -155,6 +171,12 @@ class PrometheusStatLogger:
                 per_pos = self.spec_decode_num_accepted_tokens_per_pos
                 for position, count in enumerate(spec.num_accepted_tokens_per_pos):
                     per_pos.labels(name, str(position)).inc(count)
+            if scheduler_stats.num_structured_requests:
+                self.structured_requests.labels(name).inc(scheduler_stats.num_structured_requests)
+                self.grammar_cache_hits.labels(name).inc(scheduler_stats.grammar_cache_hits)
+            compile_time = self.grammar_compile_time.labels(name)
+            for seconds in scheduler_stats.grammar_compile_times:
+                compile_time.observe(seconds)
         if iteration_stats is None:
             return
         self.prompt_tokens.labels(name).inc(iteration_stats.num_prompt_tokens)

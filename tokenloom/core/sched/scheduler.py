@@ -657,6 +657,11 @@ class Scheduler(SchedulerInterface):
         )
         self._prefix_queries = self._prefix_hits = self._num_preemptions = 0
         self._spec_stats = None
+        if self.structured_output_manager is not None:
+            grammar_stats = self.structured_output_manager.make_stats()
+            stats.num_structured_requests = grammar_stats.num_requests
+            stats.grammar_compile_times = grammar_stats.compile_times
+            stats.grammar_cache_hits = grammar_stats.num_cache_hits
         return stats
 
     def shutdown(self) -> None:
