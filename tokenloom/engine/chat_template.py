@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenloom.chat_templates import load_bundled_template, template_renders_tools
 from tokenloom.engine.protocol import ChatOptions, RenderedChat
 
 if TYPE_CHECKING:
@@ -84,6 +85,9 @@ def render_chat(
     _check_options(options)
     conversation = _check_messages(messages)
     template = options.chat_template or default_template
+    if options.tools and template is None and not template_renders_tools(tokenizer.chat_template):
+        # The model's template would drop the tools: render them the Hermes way.
+        template = load_bundled_template()
     if template is None and not tokenizer.chat_template:
         raise ValueError(
             "messages cannot be rendered: this model has no chat template "
@@ -112,6 +116,7 @@ def _apply(
         chat_template=template,
         add_generation_prompt=options.add_generation_prompt,
         continue_final_message=options.continue_final_message,
+        tools=list(options.tools) if options.tools else None,
         tokenize=False,
         **kwargs,
     )

@@ -22,6 +22,7 @@ from tokenloom.core.sched.scheduler import Scheduler
 from tokenloom.engine.messages import CoreOutputs, EngineCoreRequest
 from tokenloom.outputs import EngineCoreOutputs, ModelRunnerOutput
 from tokenloom.request import Request, RequestStatus
+from tokenloom.structured_output.manager import GrammarOutput, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +38,14 @@ class ModelRunnerProtocol(Protocol):
     num_blocks: int
     max_model_len: int
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step; must see every SchedulerOutput, also those with no tokens."""
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step; must see every SchedulerOutput, also those with no tokens.
+
+        ``grammar_output`` (only passed when some structured request samples)
+        masks those requests' logits before sampling.
+        """
         ...
 
     def remove_lora(self, lora_int_id: int) -> bool:
@@ -57,6 +64,11 @@ class EngineCore:
     ``from_config`` builds the real ``ModelRunner``. ``max_model_len`` is the
     runner's context length capped to what the KV cache can hold for one
     request, so every admitted request can finish.
+
+    ``structured_output_manager`` compiles the grammars of structured requests
+    (``from_config`` gives one over the model's tokenizer); without one they
+    are refused. Each step, the bitmask of the structured requests that sample
+    is built here, between schedule and execute; unstructured steps skip it.
     """
 
     def __init__(
@@ -65,6 +77,7 @@ class EngineCore:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         lora_config: LoRAConfig | None = None,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.runner = runner
         self.num_blocks: int = runner.num_blocks
@@ -74,6 +87,7 @@ class EngineCore:
         self.max_model_len: int = min(runner.max_model_len, cache_tokens)
         # Stats are always on in the core: the front end reads queue lengths from them.
         spec_config = scheduler_config.speculative_config
+        self.structured_output_manager = structured_output_manager
         self.scheduler = Scheduler(
             scheduler_config,
             self.cache_config,
@@ -81,6 +95,7 @@ class EngineCore:
             log_stats=True,
             lora_config=lora_config,
             num_speculative_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
+            structured_output_manager=structured_output_manager,
         )
         self._speculative = spec_config is not None
         # Requests scheduled but not yet reported: when they were first scheduled.
@@ -97,14 +112,24 @@ class EngineCore:
         lora_config: LoRAConfig | None = None,
     ) -> EngineCore:
         """The core over the real ``ModelRunner`` (loads the weights; imports torch)."""
+        from tokenloom.model.tokenizer import load_tokenizer
         from tokenloom.worker.model_runner import ModelRunner
 
         started = time.monotonic()
+        runner = ModelRunner(model_config, cache_config, scheduler_config, lora_config)
+        model_path = runner.model_path
+        structured = StructuredOutputManager(
+            # Loaded on the first structured request, in the compile thread.
+            lambda: load_tokenizer(model_path),
+            runner.arch.vocab_size,
+            runner.eos_token_ids,
+        )
         core = cls(
-            ModelRunner(model_config, cache_config, scheduler_config, lora_config),
+            runner,
             cache_config,
             scheduler_config,
             lora_config,
+            structured_output_manager=structured,
         )
         # Everything built so far lives as long as the engine: keep it out of the
         # collector's full passes, which otherwise walk it between steps.
@@ -171,7 +196,11 @@ class EngineCore:
             runner_output = _EMPTY_RUNNER_OUTPUT
         else:
             # Also with no tokens: the runner must hear about finished requests.
-            runner_output = self.runner.execute_model(scheduler_output)
+            grammar_output = scheduler.get_grammar_bitmask(scheduler_output)
+            if grammar_output is None:
+                runner_output = self.runner.execute_model(scheduler_output)
+            else:
+                runner_output = self.runner.execute_model(scheduler_output, grammar_output)
         per_client = scheduler.update_from_output(scheduler_output, runner_output)
         if self._speculative:
             # Drafts for the requests that sampled, verified in the next step.
@@ -191,3 +220,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.shutdown()

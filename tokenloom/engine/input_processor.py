@@ -20,6 +20,7 @@ from tokenloom.lora_request import LoRARequest
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.peft_config import validate_adapter
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.structured_output.backend_xgrammar import validate as validate_structured_outputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -179,6 +180,11 @@ class InputProcessor:
             )
         if params.stop_token_ids and any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
+        if params.structured_outputs is not None:
+            # Here, not in the engine: a constraint the backend cannot compile
+            # is refused before it could disturb anything (ValueError naming
+            # structured_outputs.<field>).
+            validate_structured_outputs(params.structured_outputs)
 
     def _no_room(self, num_tokens: int) -> str:
         return (

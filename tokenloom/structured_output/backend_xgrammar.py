@@ -147,8 +147,13 @@ class XgrammarBackend:
         if isinstance(tokenizer, xgr.TokenizerInfo):
             self.tokenizer_info = tokenizer
         else:
+            stops = list(stop_token_ids)
+            # The engine also stops on the tokenizer's EOS (input processing adds it).
+            eos = getattr(tokenizer, "eos_token_id", None)
+            if isinstance(eos, int) and eos not in stops:
+                stops.append(eos)
             self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-                tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+                tokenizer, vocab_size=vocab_size, stop_token_ids=stops
             )
         # Our own cache (keyed by the constraint) is the one that counts; one
         # compiler thread per compile keeps the shared cores for the model.

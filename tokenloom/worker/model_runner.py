@@ -79,6 +79,7 @@ class ModelRunner:
         self.arch = loaded.arch
         self.dtype = loaded.dtype
         self.device = loaded.device
+        self.model_path = loaded.path
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.arch)
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = allocate_kv_caches(
