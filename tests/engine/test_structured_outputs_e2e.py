@@ -372,3 +372,31 @@ def test_invalid_constraints_raise_naming_the_field(
     # The engine is untouched: the next request runs normally.
     [output] = llm.generate("hello", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 3
+
+
+@pytest.fixture(scope="module")
+def spec_llm(default_model_path: Any) -> Any:
+    from tokenloom.engine.llm import LLM
+
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    return LLM(
+        str(default_model_path), num_blocks=128, max_model_len=512, speculative_config=config
+    )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_json_schemas_with_speculative_decoding(spec_llm: Any, temperature: float) -> None:
+    """Drafts are cut at the grammar and masked at verification: outputs still validate."""
+    schemas = SCHEMAS[:8]
+    params = [
+        SamplingParams(
+            temperature=temperature,
+            seed=11,
+            max_tokens=120,
+            structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+        )
+        for _, schema in schemas
+    ]
+    outputs = spec_llm.chat([_ask(what) for what, _ in schemas], params, use_tqdm=False)
+    for (_, schema), output in zip(schemas, outputs, strict=True):
+        jsonschema.validate(json.loads(_only(output)), schema)
