@@ -38,11 +38,20 @@ async def main():
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         body = {"model": engine.model_name, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
         response = await client.post("/v1/completions", json=body)
-    return rendered, outs[-1], response
+        # Structured requests too: their constraints are checked by the grammar
+        # backend (which imports torch) in a helper process, not here.
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        structured = await client.post(
+            "/v1/completions", json={**body, "max_tokens": 12, "structured_outputs": {"json": schema}}
+        )
+        invalid = await client.post(
+            "/v1/completions", json={**body, "structured_outputs": {"regex": "[a-z"}}
+        )
+    return rendered, outs[-1], response, structured, invalid
 
 
 try:
-    rendered, final, response = asyncio.run(main())
+    rendered, final, response, structured, invalid = asyncio.run(main())
 finally:
     engine.shutdown()
 print(json.dumps({
@@ -50,6 +59,7 @@ print(json.dumps({
     "chat": rendered.text,
     "tokens": final.outputs[0].token_ids,
     "status": response.status_code,
+    "structured": [structured.status_code, invalid.status_code, invalid.json()["error"]["param"]],
     "torch": sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")),
 }))
 """
@@ -72,4 +82,6 @@ def test_front_end_process_never_imports_torch(tmp_path: Path) -> None:
     assert report["chat"].endswith("<|im_start|>assistant\n")
     assert len(report["tokens"]) == 3
     assert report["status"] == 200, result.stderr[-4000:]
+    assert report["structured"][:2] == [200, 400], result.stderr[-4000:]
+    assert report["structured"][2].startswith("structured_outputs"), report["structured"]
     assert report["torch"] == [], f"the front end imported {report['torch'][:5]}"

@@ -79,6 +79,7 @@ class AsyncLLM(EngineClient):
             chat_template=engine_args.load_chat_template(),
             lora_config=engine_args.create_lora_config(),
             arch=arch,
+            validate_constraints_in_subprocess=True,
         )
         self._input_executor = ThreadPoolExecutor(
             max_workers=_INPUT_THREADS, thread_name_prefix="tokenloom-input"
@@ -301,4 +302,5 @@ class AsyncLLM(EngineClient):
             task.cancel()
         self.output_processor.propagate_error(EngineDeadError("the engine was shut down"))
         self._input_executor.shutdown(wait=False, cancel_futures=True)
+        self.input_processor.validate_constraints.shutdown()
         self.client.shutdown()

@@ -20,7 +20,7 @@ from tokenloom.lora_request import LoRARequest
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.peft_config import validate_adapter
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.structured_output.backend_xgrammar import validate as validate_structured_outputs
+from tokenloom.structured_output.validator import ConstraintValidator
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -47,8 +47,12 @@ class InputProcessor:
         chat_template: str | None = None,
         lora_config: LoRAConfig | None = None,
         arch: ModelArchConfig | None = None,
+        validate_constraints_in_subprocess: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        # The serving front end checks grammars in a helper process (the backend
+        # imports torch); the offline LLM checks them in place.
+        self.validate_constraints = ConstraintValidator(validate_constraints_in_subprocess)
         # LoRA: adapters are checked against the base model (``arch``) once per id.
         self.lora_config = lora_config
         self.arch = arch
@@ -184,7 +188,7 @@ class InputProcessor:
             # Here, not in the engine: a constraint the backend cannot compile
             # is refused before it could disturb anything (ValueError naming
             # structured_outputs.<field>).
-            validate_structured_outputs(params.structured_outputs)
+            self.validate_constraints(params.structured_outputs)
 
     def _no_room(self, num_tokens: int) -> str:
         return (
