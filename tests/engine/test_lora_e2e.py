@@ -7,13 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import peft
 import pytest
 import torch
 
 from tests.engine.conftest import ENGINE_KWARGS
 from tokenloom import LoRARequest, SamplingParams
-
-peft = pytest.importorskip("peft")
 
 PROMPTS = [
     "The capital of France is",

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import peft
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -21,8 +22,6 @@ from tokenloom.model.llama import CausalLM
 from tokenloom.model.loader import load_model
 from tokenloom.model.lora import LoRAManager
 from tokenloom.model.peft_config import read_peft_config, validate_adapter
-
-peft = pytest.importorskip("peft")
 
 VOCAB = 128
 CONFIG = dict(
