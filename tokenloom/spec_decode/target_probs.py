@@ -17,7 +17,7 @@ import torch
 
 from tokenloom.worker.sampler import apply_min_p
 from tokenloom.worker.sampling_metadata import SamplingMetadata
-from tokenloom.worker.top_k_top_p import kept_weights
+from tokenloom.worker.top_k_top_p import kept_weights, row_limits
 
 
 def processed_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -40,15 +40,9 @@ def shaped_probs(
     scaled = logits / temperature.unsqueeze(1).to(logits.dtype)
     if min_p is not None:
         scaled = apply_min_p(scaled, min_p)
-    num_rows, vocab = scaled.shape
     if top_k is None and top_p is None:
         return scaled.softmax(dim=-1)
-    k = torch.full((num_rows,), vocab, dtype=torch.long, device=scaled.device)
-    if top_k is not None:
-        k = top_k.clamp(min=1, max=vocab)
-    p = torch.ones(num_rows, dtype=scaled.dtype, device=scaled.device)
-    if top_p is not None:
-        p = top_p.to(scaled.dtype)
+    k, p = row_limits(scaled, top_k, top_p)
     values, order = scaled.sort(dim=-1, descending=True)
     kept = kept_weights(values, k, p)
     kept = kept / kept.sum(dim=-1, keepdim=True)

@@ -42,12 +42,7 @@ def sample_top_k_top_p(
     ``u`` is one float64 uniform in [0, 1) per row.
     """
     num_rows, vocab = logits.shape
-    k = torch.full((num_rows,), vocab, dtype=torch.long, device=logits.device)
-    if top_k is not None:
-        k = top_k.clamp(min=1, max=vocab)
-    p = torch.ones(num_rows, dtype=logits.dtype, device=logits.device)
-    if top_p is not None:
-        p = top_p.to(logits.dtype)
+    k, p = row_limits(logits, top_k, top_p)
 
     truncated = (k < vocab) | (p < 1.0)
     sampled = torch.empty(num_rows, dtype=torch.long, device=logits.device)
@@ -82,6 +77,20 @@ def sample_top_k_top_p(
             p.index_select(0, slow_rows),
         )
     return sampled
+
+
+def row_limits(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row top-k in [1, vocab] and top-p in (0, 1], with "off" as vocab and 1."""
+    num_rows, vocab = logits.shape
+    k = torch.full((num_rows,), vocab, dtype=torch.long, device=logits.device)
+    if top_k is not None:
+        k = top_k.clamp(min=1, max=vocab)
+    p = torch.ones(num_rows, dtype=logits.dtype, device=logits.device)
+    if top_p is not None:
+        p = top_p.to(logits.dtype)
+    return k, p
 
 
 def sample_full(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
