@@ -32,35 +32,43 @@ MIN_REQUESTS = 500
 EXAMPLES = {GenerationMode.POSITIVE: 200, GenerationMode.NEGATIVE: 100}
 
 
+def _exercise(
+    operation: schemathesis.APIOperation,
+    mode: GenerationMode,
+    count: int,
+    statuses: Counter[tuple[str, int]],
+) -> None:
+    """Send ``count`` generated requests to ``operation``; each answer must match the
+    schema (CHECKS), and its status is counted in ``statuses``."""
+
+    @settings(
+        max_examples=count,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def run(case: schemathesis.Case) -> None:
+        response = case.call()
+        statuses[(operation.label, response.status_code)] += 1
+        case.validate_response(response, checks=CHECKS)
+
+    run()
+
+
 @pytest.mark.timeout(120)
 def test_generated_requests_get_declared_answers_and_no_5xx() -> None:
     engine = FakeAsyncLLM()
     schema = schemathesis.openapi.from_asgi("/openapi.json", build_app(engine))
     statuses: Counter[tuple[str, int]] = Counter()
-
-    def exercise(operation: schemathesis.APIOperation, mode: GenerationMode, count: int) -> None:
-        @settings(
-            max_examples=count,
-            derandomize=True,
-            database=None,
-            deadline=None,
-            suppress_health_check=list(HealthCheck),
-        )
-        @given(case=operation.as_strategy(generation_mode=mode))
-        def run(case: schemathesis.Case) -> None:
-            response = case.call()
-            statuses[(operation.label, response.status_code)] += 1
-            case.validate_response(response, checks=CHECKS)
-
-        run()
-
     for result in schema.get_all_operations():
         operation = result.ok()
         if operation.method.upper() == "GET":
-            exercise(operation, GenerationMode.POSITIVE, 1)
+            _exercise(operation, GenerationMode.POSITIVE, 1, statuses)
             continue
         for mode, count in EXAMPLES.items():
-            exercise(operation, mode, count)
+            _exercise(operation, mode, count, statuses)
 
     total = sum(statuses.values())
     assert total >= MIN_REQUESTS, statuses
@@ -85,21 +93,7 @@ def test_lora_endpoints_get_declared_answers_and_no_5xx() -> None:
         if "lora" not in operation.path:
             continue
         for mode, count in ((GenerationMode.POSITIVE, 60), (GenerationMode.NEGATIVE, 30)):
-
-            @settings(
-                max_examples=count,
-                derandomize=True,
-                database=None,
-                deadline=None,
-                suppress_health_check=list(HealthCheck),
-            )
-            @given(case=operation.as_strategy(generation_mode=mode))
-            def run(case: schemathesis.Case) -> None:
-                response = case.call()
-                statuses[(case.operation.label, response.status_code)] += 1
-                case.validate_response(response, checks=CHECKS)
-
-            run()
+            _exercise(operation, mode, count, statuses)
     assert statuses[("POST /v1/load_lora_adapter", 400)] > 10, statuses
     assert statuses[("POST /v1/unload_lora_adapter", 404)] > 10, statuses
     assert not any(status >= 500 for _, status in statuses)
