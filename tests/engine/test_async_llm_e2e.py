@@ -21,7 +21,6 @@ from tests.engine.conftest import ENGINE_KWARGS
 from tokenloom import SamplingParams
 from tokenloom.engine.args import EngineArgs
 from tokenloom.engine.async_llm import AsyncLLM
-from tokenloom.engine.core_client import AsyncInprocClient
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.outputs import RequestOutput
 
@@ -32,17 +31,15 @@ PROMPT = "Write a long story about a dragon."
 
 
 @pytest.fixture(scope="module")
-def async_inproc(llm: Any) -> Any:
-    client = AsyncInprocClient(llm.client)
-    engine = AsyncLLM(
-        EngineArgs(**ENGINE_KWARGS),
-        client,
-        llm.tokenizer,
-        llm.input_processor.vocab_size,
-        llm.input_processor.eos_token_ids,
+def async_inproc(default_model_path: Path) -> Any:
+    # Its own core: shutting the engine down shuts its core down too, which must
+    # not be the session's shared ``llm``.
+    engine = AsyncLLM.from_engine_args(
+        EngineArgs(model=str(default_model_path), **ENGINE_KWARGS), multiprocess=False
     )
+    assert engine.engine_core_pid is None
     yield engine
-    engine.shutdown()  # waits for a step still running, so the LLM tests find the core idle
+    engine.shutdown()
     assert not engine.is_running
 
 
