@@ -193,11 +193,9 @@ class Scheduler(SchedulerInterface):
         running_gone: set[Request] = set()
         waiting_gone: list[Request] = []
         for req_id in request_ids:
-            request = self.requests.pop(req_id, None)
+            request = self._forget(req_id)
             if request is None:
                 continue
-            if request.structured_output_request is not None:
-                self._num_structured -= 1
             if request.status == _RUNNING:
                 running_gone.add(request)
                 self.kv_cache_manager.free(request)
@@ -473,6 +471,14 @@ class Scheduler(SchedulerInterface):
             structured, scheduler_output.scheduled_spec_decode_tokens
         )
 
+    def _forget(self, req_id: str) -> Request | None:
+        """Take a request out of ``requests`` (None if it is not there), keeping the
+        count of structured requests in step."""
+        request = self.requests.pop(req_id, None)
+        if request is not None and request.structured_output_request is not None:
+            self._num_structured -= 1
+        return request
+
     def _unservable(self, request: Request) -> bool:
         num_tokens = request.num_tokens
         return (
@@ -485,9 +491,7 @@ class Scheduler(SchedulerInterface):
     ) -> None:
         """Finish a request that can never run; reported by the next update_from_output."""
         request.status = status
-        if self.requests.pop(request.request_id, None) is not None:
-            if request.structured_output_request is not None:
-                self._num_structured -= 1
+        self._forget(request.request_id)
         self.finished_req_ids.add(request.request_id)
         self._ignored.append(request)
 
@@ -589,9 +593,7 @@ class Scheduler(SchedulerInterface):
             for request in finished:
                 free(request)
                 req_id = request.request_id
-                del requests[req_id]
-                if request.structured_output_request is not None:
-                    self._num_structured -= 1
+                self._forget(req_id)
                 self.finished_req_ids.add(req_id)
                 finished_ids.setdefault(request.client_index, set()).add(req_id)
             gone = set(finished)
