@@ -343,14 +343,10 @@ def run_hf_sweep(
 
 
 def machine_info() -> str:
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    sys.path.insert(0, str(PEERS))
+    from _common import cpu_model
+
+    model = cpu_model()
     import psutil
 
     mem = psutil.virtual_memory().total / 2**30

@@ -19,8 +19,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
-import platform
 import random
 import shlex
 import signal
@@ -37,7 +35,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
-from _common import serving  # noqa: E402  (stdlib-only helpers of the peer workers)
+from _common import report, serving  # noqa: E402  (stdlib-only helpers of the peer workers)
 
 WORDS = "the of and to in is was for on that with as by at from his her an which are".split()
 
@@ -235,26 +233,10 @@ def main() -> None:
     ]  # fmt: skip
     with serving(serve_cmd, base_url, args.log, ROOT, timeout_s=args.timeout_s) as server:
         result = measure(args, base_url, server.pid)
-    result["command"] = "python benchmarks/health_latency.py " + shlex.join(sys.argv[1:])
-    result["cpu"] = _cpu_model()
-    result["cpus"] = os.cpu_count()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    report(result, "benchmarks/health_latency.py", args.json)
     during = result["during"]
     if during.get("probes", 0) and during["p99_ms"] > 100:
         print(f"p99 {during['p99_ms']} ms is above the 100 ms target", file=sys.stderr)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import shlex
 import sys
@@ -40,7 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
-from _common import serving  # noqa: E402  (stdlib-only helpers of the peer workers)
+from _common import report, serving  # noqa: E402  (stdlib-only helpers of the peer workers)
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -396,12 +395,7 @@ def main() -> None:
         ]  # fmt: skip
         with serving(serve_cmd, base_url, args.log, ROOT) as server:
             result = asyncio.run(soak(args, base_url, server.pid))
-    result["command"] = "python benchmarks/soak.py " + shlex.join(sys.argv[1:])
-    result["cpus"] = os.cpu_count()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    report(result, "benchmarks/soak.py", args.json)
     gauges = result["gauges_after"]
     ok = result["num_5xx"] == 0 and not result["bad_requests_accepted"]
     ok = ok and all(gauges.get(g) == 0 for g in GAUGES)

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+from _common import cpu_model  # noqa: E402  (stdlib-only helpers of the benchmarks)
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -218,12 +220,8 @@ def main() -> None:
     def median(key: str) -> float:
         return statistics.median(r[key] for r in rounds)
 
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line),
-        "unknown",
-    )
     summary = {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "num_requests": n,
@@ -246,7 +244,7 @@ def main() -> None:
         f"bitmask {summary['fill_ms_per_step']:.2f} ms fill + "
         f"{summary['apply_ms_per_step']:.2f} ms apply per step; "
         f"{counter.requests} structured requests, {counter.compiles} grammar compile(s) "
-        f"({summary['grammar_compile_ms']:.1f} ms), {counter.cache_hits} cache hits; CPU {cpu}"
+        f"({summary['grammar_compile_ms']:.1f} ms), {counter.cache_hits} cache hits; CPU {summary['cpu']}"
     )
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")

@@ -16,8 +16,11 @@ import argparse
 import contextlib
 import json
 import os
+import platform
+import shlex
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -69,6 +72,29 @@ def serving(
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (what a figure was measured on)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def report(result: dict[str, Any], script: str, json_path: Path | None) -> None:
+    """Add the command line and machine to a benchmark's result, print it as JSON and
+    also write it to ``json_path`` when given."""
+    result["command"] = f"python {script} " + shlex.join(sys.argv[1:])
+    result["cpu"] = cpu_model()
+    result["cpus"] = os.cpu_count()
+    text = json.dumps(result, indent=2)
+    print(text)
+    if json_path:
+        json_path.write_text(text + "\n")
 
 
 def load_workload(path: str) -> list[dict[str, Any]]:
