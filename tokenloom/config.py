@@ -257,3 +257,40 @@ def _require_int(value: object, key: str, minimum: int) -> None:
         f"speculative_config.{key}",
         f"must be an integer >= {minimum}, got {value!r}",
     )
+
+
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the engine spreads over devices and processes (vLLM's names).
+
+    ``tensor_parallel_size``: ranks that split every layer of one engine core
+    (torch.distributed: gloo on CPU, NCCL on CUDA). ``data_parallel_size``:
+    engine cores, each with its own scheduler and KV cache, behind one front
+    end; ``data_parallel_backend`` runs them as local processes (``"mp"``) or
+    as Ray actors (``"ray"``).
+    """
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_backend: Literal["mp", "ray"] = "mp"
+
+    def __post_init__(self) -> None:
+        _require(
+            _is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            f"must be an integer >= 1, got {self.tensor_parallel_size!r}",
+        )
+        _require(
+            _is_int(self.data_parallel_size) and self.data_parallel_size >= 1,
+            "data_parallel_size",
+            f"must be an integer >= 1, got {self.data_parallel_size!r}",
+        )
+        _require(
+            self.data_parallel_backend in DATA_PARALLEL_BACKENDS,
+            "data_parallel_backend",
+            f"must be one of {', '.join(DATA_PARALLEL_BACKENDS)}; "
+            f"got {self.data_parallel_backend!r}",
+        )
