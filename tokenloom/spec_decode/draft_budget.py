@@ -12,13 +12,14 @@ Three rules, all evaluated by the runner right before proposing:
   position ``i`` is kept with probability ``a ** i``). A request drafts up to
   the last position still kept with probability ``>= MIN_KEEP_PROBABILITY``,
   so a request whose drafts are rarely accepted drafts fewer tokens, down to
-  none. A request at none is probed with one draft every ``PROBE_INTERVAL``
-  of its steps, so text that turns repetitive later is noticed.
+  none. A request that got no drafts for ``PROBE_INTERVAL`` of its steps
+  (by this rule or the next) is probed (at least one draft, judged by the
+  next rule as if kept), so text that turns repetitive later is noticed.
 * **Step cost**: with the fitted step cost (``step_cost.StepCostModel``:
   ``fixed + per_token * tokens``), drafts go only where they raise the
   expected tokens per second of the next step. The ``j``-th draft of a request
   with acceptance ``a`` yields ``a ** j`` tokens and costs ``per_token``
-  seconds; drafts are taken in order of yield while the rate
+  seconds (charged ``DRAFT_COST_MARGIN`` times that); drafts are taken in order of yield while the rate
   ``(requests + kept drafts) / decode step seconds`` still rises
   (``cost_limited``).
   At one request the fixed cost dominates and every draft pays; in a
@@ -42,6 +43,10 @@ DECAY = 0.8
 PRIOR_ACCEPT = 0.8
 # Steps a request with no budget waits before one probing draft.
 PROBE_INTERVAL = 8
+# Drafts are charged this much above the fitted per-token cost: what the fit does
+# not see (scheduler bookkeeping of drafts, rollback of rejected slots, noise in the
+# fit itself), so speculation in a borderline batch errs towards not drafting.
+DRAFT_COST_MARGIN = 1.25
 
 
 @dataclass
@@ -78,25 +83,30 @@ class DraftBudget:
         ``room``: drafts each request could still keep (its ``max_tokens`` and the
         context). With a fitted step cost, drafts are cut to those that pay.
         """
-        states = self._states
-        caps = np.zeros(len(req_ids), np.int64)
-        accept = np.zeros(len(req_ids))
-        for i, req_id in enumerate(req_ids):
-            state = states.get(req_id)
-            if state is None:
-                state = states[req_id] = _Acceptance(budget=self._full)
-            accept[i] = state.accepted / (state.accepted + state.rejected)
-            if state.budget > 0:
-                caps[i] = state.budget
-            else:
-                state.idle_steps += 1
-                caps[i] = 1 if state.idle_steps >= PROBE_INTERVAL else 0
+        states = [self._state(req_id) for req_id in req_ids]
+        accept = np.fromiter((s.accepted / (s.accepted + s.rejected) for s in states), float)
+        caps = np.fromiter((max(s.budget, 0) for s in states), np.int64, len(states))
+        probe = np.fromiter((s.idle_steps + 1 >= PROBE_INTERVAL for s in states), bool)
+        caps = np.where(probe, np.maximum(caps, 1), caps)
         if room is not None:
             caps = np.minimum(caps, room)
         cost = self.step_cost.estimate
-        if cost is None or not caps.any():
-            return caps
-        return cost_limited(caps, accept, cost)
+        if cost is not None and caps.any():
+            # A request due a probe is judged as if its drafts were all kept
+            # (optimism under uncertainty): one whose estimate does not pay at this
+            # batch size is still tried now and then, and gets drafts back when
+            # they turn out to be kept.
+            caps = cost_limited(caps, np.where(probe, 1.0, accept), cost)
+        for state, cap in zip(states, caps.tolist(), strict=True):
+            if cap == 0:
+                state.idle_steps += 1
+        return caps
+
+    def _state(self, req_id: str) -> _Acceptance:
+        state = self._states.get(req_id)
+        if state is None:
+            state = self._states[req_id] = _Acceptance(budget=self._full)
+        return state
 
     def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         """Fold one verification (``num_drafts`` proposed, ``num_accepted`` kept) in."""
@@ -130,9 +140,12 @@ class DraftBudget:
         return min(self.k, int(math.log(MIN_KEEP_PROBABILITY) / math.log(accept) + 1e-9))
 
 
-def cost_limited(caps: np.ndarray, accept: np.ndarray, cost: StepCost) -> np.ndarray:
+def cost_limited(
+    caps: np.ndarray, accept: np.ndarray, cost: StepCost, margin: float = DRAFT_COST_MARGIN
+) -> np.ndarray:
     """Drafts per decoding request (each at most ``caps[i]``) that maximise the
-    expected tokens per second of a decode step over these requests.
+    expected tokens per second of a decode step over these requests, each draft
+    charged ``margin`` times the per-token cost.
 
     Without drafts the step computes and yields one token per request. Prefill
     chunks sharing the step are left out of the rate: they are work the batch
@@ -150,7 +163,8 @@ def cost_limited(caps: np.ndarray, accept: np.ndarray, cost: StepCost) -> np.nda
     flat = gains.ravel()[candidates]
     order = np.argsort(-flat, kind="stable")
     tokens = num + np.concatenate(([0.0], np.cumsum(flat[order])))
-    seconds = cost.fixed + cost.per_token * (num + np.arange(len(order) + 1))
+    drafts = np.arange(len(order) + 1)
+    seconds = cost.fixed + cost.per_token * (num + margin * drafts)
     taken = int(np.argmax(tokens / seconds))
     rows = candidates[order[:taken]] // k
     return np.bincount(rows, minlength=num).astype(np.int64)
