@@ -19,6 +19,8 @@ once. TPOT is per request (decode time
 over the tokens after the first, from the engine's own request stats),
 averaged over requests; output tok/s is all output tokens over the run's wall
 time. Greedy outputs are checked to be identical with speculation on and off.
+The CPU and the 1-minute load average before and after each row are recorded
+(the machine may be shared).
 
     python benchmarks/spec_decode.py --concurrency 1,4,16,64 --repeats 3 --out docs/spec_decode.json
 """
@@ -30,11 +32,16 @@ import importlib
 import inspect
 import json
 import math
+import os
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+from _common import cpu_model  # noqa: E402  (stdlib-only helpers of the peer workers)
 
 TASKS = (
     "Copy the following passage exactly, word for word.\n\n{passage}",
@@ -78,7 +85,9 @@ def grounded_prompts(tokenizer: Any, count: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-def build_workload(name: str, tokenizer: Any, count: int, seed: int, max_tokens: int) -> dict:
+def build_workload(
+    name: str, tokenizer: Any, count: int, seed: int, max_tokens: int, prompt_max: int
+) -> dict:
     from tokenloom.bench.datasets import LengthSpec, random_requests, tokenizer_vocab
 
     if name == "grounded":
@@ -86,7 +95,7 @@ def build_workload(name: str, tokenizer: Any, count: int, seed: int, max_tokens:
         return {"prompts": prompts, "max_tokens": [max_tokens] * count, "ignore_eos": False}
     requests = random_requests(
         count,
-        LengthSpec("log-uniform", 16, MAIN_PROMPT_MAX),
+        LengthSpec("log-uniform", 16, prompt_max),
         LengthSpec("log-uniform", 16, max_tokens),
         tokenizer_vocab(tokenizer),
         seed,
@@ -153,6 +162,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--main-prompt-max", type=int, default=MAIN_PROMPT_MAX, help="main: longest prompt"
+    )
     parser.add_argument("--num-blocks", type=int, default=1600)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -181,9 +193,15 @@ def main() -> None:
     rows = []
     for workload_name in args.workloads.split(","):
         workload = build_workload(
-            workload_name, tokenizer, max(max(concurrencies), 2), args.seed, args.max_tokens
+            workload_name,
+            tokenizer,
+            max(max(concurrencies), 2),
+            args.seed,
+            args.max_tokens,
+            args.main_prompt_max,
         )
         for concurrency in concurrencies:
+            load_before = os.getloadavg()[0]
             runs: dict[str, list[dict]] = {"off": [], "ngram": []}
             for _ in range(args.repeats):
                 for label, llm in engines.items():
@@ -195,6 +213,7 @@ def main() -> None:
                 "concurrency": concurrency,
                 "identical": identical,
                 "output_tokens": runs["off"][0]["output_tokens"],
+                "load_1m": [round(load_before, 1), round(os.getloadavg()[0], 1)],
             }
             for label, label_runs in runs.items():
                 for key in ("tpot_ms", "output_tok_s", "wall_s"):
@@ -204,9 +223,10 @@ def main() -> None:
                 row[key] = statistics.median(r[key] for r in runs["ngram"])
             rows.append(row)
             print(format_row(row), flush=True)
-    print(f"total {time.perf_counter() - started:.0f}s")
+    print(f"total {time.perf_counter() - started:.0f}s on {cpu_model()}")
     if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+        result = {"cpu": cpu_model(), "total_s": time.perf_counter() - started, "rows": rows}
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print()
     print(format_table(rows))
 
@@ -218,7 +238,7 @@ def format_row(row: dict) -> str:
         f"tok/s {row['off_output_tok_s']:.1f} -> {row['ngram_output_tok_s']:.1f} "
         f"({row['ngram_output_tok_s'] / row['off_output_tok_s'] - 1:+.1%}), acceptance "
         f"{row['acceptance_rate']:.0%}, mean acceptance length {row['mean_acceptance_length']:.2f}, "
-        f"identical={row['identical']}"
+        f"identical={row['identical']}, load {row['load_1m'][0]}-{row['load_1m'][1]}"
     )
 
 
@@ -226,8 +246,8 @@ def format_table(rows: list[dict]) -> str:
     lines = [
         "| workload | concurrency | TPOT off (ms) | TPOT n-gram (ms) | TPOT ratio | "
         "tok/s off | tok/s n-gram | tok/s change | acceptance rate | mean acceptance length | "
-        "identical output |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "identical output | load (1 min) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -235,7 +255,8 @@ def format_table(rows: list[dict]) -> str:
             f"{r['ngram_tpot_ms']:.1f} | {r['off_tpot_ms'] / r['ngram_tpot_ms']:.2f}x | "
             f"{r['off_output_tok_s']:.1f} | {r['ngram_output_tok_s']:.1f} | "
             f"{r['ngram_output_tok_s'] / r['off_output_tok_s'] - 1:+.1%} | "
-            f"{r['acceptance_rate']:.0%} | {r['mean_acceptance_length']:.2f} | {r['identical']} |"
+            f"{r['acceptance_rate']:.0%} | {r['mean_acceptance_length']:.2f} | {r['identical']} | "
+            f"{r['load_1m'][0]}-{r['load_1m'][1]} |"
         )
     return "\n".join(lines)
 

@@ -42,8 +42,9 @@ def models() -> tuple[ModelRunner, DraftModelProposer]:
         method="draft_model", num_speculative_tokens=K, model=str(default_gguf_path())
     )
     proposer = DraftModelProposer(
-        config, runner.model_config, runner.arch.vocab_size, runner.num_blocks, BLOCK, 8, 512
+        config, runner.model_config, runner.arch.vocab_size, BLOCK, 8, 512
     )
+    proposer.allocate_kv_cache(runner.num_blocks)
     return runner, proposer
 
 

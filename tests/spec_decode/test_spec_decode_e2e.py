@@ -197,9 +197,12 @@ def test_draft_model_greedy_outputs_identical(draft: str, tmp_path: Path) -> Non
     speculative = _run(runner, spec, draft)
     _check_same_greedy_outputs(reference, speculative)
     summary = speculative["spec"]
-    assert summary.num_drafts > 10
     if draft == "self":
+        assert summary.num_drafts > 10
         assert summary.acceptance_rate > 0.9, summary.describe()
     else:
+        # Rejected drafts soon cut each request's budget (and the step cost then
+        # declines the probes), so fewer verifications, but enough drafts to judge.
+        assert summary.num_drafts >= 5, summary.describe()
         assert summary.acceptance_rate < 0.1, summary.describe()
     assert np.isfinite(summary.mean_acceptance_length)

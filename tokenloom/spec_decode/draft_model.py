@@ -38,7 +38,7 @@ import torch
 from tokenloom.config import ModelConfig, SpeculativeConfig
 from tokenloom.model.attention import AttentionMetadata
 from tokenloom.model.cpu_kernels import paged_attention_op
-from tokenloom.model.kv_cache import allocate_kv_caches
+from tokenloom.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.loader import load_model
 from tokenloom.spec_decode.target_probs import shaped_probs
@@ -64,7 +64,6 @@ class DraftModelProposer:
         config: SpeculativeConfig,
         target_config: ModelConfig,
         target_vocab_size: int,
-        num_blocks: int,
         block_size: int,
         max_num_seqs: int,
         max_model_len: int,
@@ -96,17 +95,35 @@ class DraftModelProposer:
         self.k = config.num_speculative_tokens
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.num_target_blocks = num_blocks
+        self.dtype = loaded.dtype
+        self.max_num_seqs = max_num_seqs
         self.scratch_blocks_per_slot = -(-self.k // block_size) + 1
-        self.kv_caches = allocate_kv_caches(
-            arch,
-            num_blocks + max_num_seqs * self.scratch_blocks_per_slot,
-            block_size,
-            loaded.dtype,
-            self.device,
-        )
+        # Allocated by ``allocate_kv_cache`` once the target's block count is known.
+        self.num_target_blocks = 0
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.native_attention = paged_attention_op(self.device, loaded.dtype, arch.head_dim)
         self.generator = generator
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes the draft's KV cache adds per target block (its own copy of the block)."""
+        return kv_cache_bytes_per_block(self.arch, self.block_size, self.dtype)
+
+    @property
+    def kv_scratch_bytes(self) -> int:
+        """Bytes of the scratch blocks, whatever the target's block count."""
+        return self.max_num_seqs * self.scratch_blocks_per_slot * self.kv_bytes_per_block
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """The draft KV cache for a target cache of ``num_blocks`` blocks, plus scratch."""
+        self.num_target_blocks = num_blocks
+        self.kv_caches = allocate_kv_caches(
+            self.arch,
+            num_blocks + self.max_num_seqs * self.scratch_blocks_per_slot,
+            self.block_size,
+            self.dtype,
+            self.device,
+        )
 
     @torch.inference_mode()
     def propose(

@@ -37,7 +37,6 @@ class Speculator:
         config: SpeculativeConfig,
         model_config: ModelConfig,
         vocab_size: int,
-        num_blocks: int,
         block_size: int,
         max_num_seqs: int,
         max_model_len: int,
@@ -56,7 +55,6 @@ class Speculator:
                 config,
                 model_config,
                 vocab_size,
-                num_blocks,
                 block_size,
                 max_num_seqs,
                 max_model_len,
@@ -64,6 +62,18 @@ class Speculator:
             )
         self._drafts: dict[str, list[int]] = {}
         self._draft_probs: dict[str, torch.Tensor] = {}
+
+    def kv_cache_bytes(self, num_blocks: int) -> int:
+        """Memory the draft model's KV cache takes beside a target cache of ``num_blocks``
+        blocks (0 for n-gram), for the runner's sizing."""
+        draft = self.draft_model
+        if draft is None:
+            return 0
+        return num_blocks * draft.kv_bytes_per_block + draft.kv_scratch_bytes
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        if self.draft_model is not None:
+            self.draft_model.allocate_kv_cache(num_blocks)
 
     # ------------------------------------------------------------------ verify
 
@@ -115,10 +125,8 @@ class Speculator:
         caps = np.zeros(len(req_ids), np.int64)
         if sampled.any() and self.budget.enabled(len(req_ids)):
             picked = np.flatnonzero(sampled)
-            budgets = self.budget.caps([req_ids[i] for i in picked.tolist()])
-            for i, cap in zip(picked.tolist(), budgets, strict=True):
-                if cap:
-                    caps[i] = min(cap, self._room(batch, int(slots[i])))
+            room = np.fromiter((self._room(batch, int(slots[i])) for i in picked), np.int64)
+            caps[picked] = self.budget.caps([req_ids[i] for i in picked.tolist()], room)
         if self.ngram is not None:
             if caps.any():
                 self._propose_ngram(batch, req_ids, slots, caps)
@@ -133,6 +141,10 @@ class Speculator:
                 q = proposal.draft_probs[i]
                 if q is not None:
                     self._draft_probs[req_ids[i]] = q
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """The measured time of a target step of ``num_tokens`` tokens (the budget's cost fit)."""
+        self.budget.observe_step(num_tokens, seconds)
 
     def _room(self, batch: InputBatch, slot: int) -> int:
         """Drafts that can still be kept: the bonus token takes one of the tokens left."""

@@ -14,6 +14,7 @@ proposes the next drafts, which the engine core collects with
 
 from __future__ import annotations
 
+import time
 from typing import cast
 
 import numpy as np
@@ -81,10 +82,28 @@ class ModelRunner:
         self.device = loaded.device
         self.model_path = loaded.path
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.arch)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(model_config.seed)
+        # The draft model (if any) loads before sizing, so its weights are already out
+        # of the free memory and its KV cache is sized with the target's.
+        self.speculator: Speculator | None = None
+        spec_config = scheduler_config.speculative_config
+        if spec_config is not None:
+            self.speculator = Speculator(
+                spec_config,
+                model_config,
+                self.arch.vocab_size,
+                self.block_size,
+                scheduler_config.max_num_seqs,
+                self.max_model_len,
+                generator,
+            )
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = allocate_kv_caches(
             self.arch, self.num_blocks, self.block_size, self.dtype, self.device
         )
+        if self.speculator is not None:
+            self.speculator.allocate_kv_cache(self.num_blocks)
         self.input_batch = InputBatch(
             max_num_seqs=scheduler_config.max_num_seqs,
             max_model_len=self.max_model_len,
@@ -93,8 +112,6 @@ class ModelRunner:
             device=self.device,
         )
         self.native_attention = paged_attention_op(self.device, self.dtype, self.arch.head_dim)
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(model_config.seed)
         self.sampler = Sampler(generator)
         self.eos_token_ids = tuple(self.arch.eos_token_ids)
         # The EOS id the engine gives its requests (for hand-built NewRequestData).
@@ -104,23 +121,13 @@ class ModelRunner:
         self.lora_manager = LoRAManager(self.model, lora_config) if lora_config else None
         self._lora_ids: dict[str, int] = {}
         self._last_index: dict[str, int] = {}
-        self.speculator: Speculator | None = None
-        spec_config = scheduler_config.speculative_config
-        if spec_config is not None:
-            self.speculator = Speculator(
-                spec_config,
-                model_config,
-                self.arch.vocab_size,
-                self.num_blocks,
-                self.block_size,
-                scheduler_config.max_num_seqs,
-                self.max_model_len,
-                generator,
-            )
 
     def _num_kv_blocks(self) -> int:
         """Explicit ``num_blocks``, else ``memory_fraction`` of free memory, capped at
-        what ``max_num_seqs`` full-length requests could use (+1 for the null block)."""
+        what ``max_num_seqs`` full-length requests could use (+1 for the null block).
+
+        A draft model's KV cache shares the fraction: it holds a copy of every
+        block (and its scratch blocks), so each block costs both models' bytes."""
         configured = self.cache_config.num_blocks
         if configured is not None:
             if configured < 2:
@@ -131,7 +138,12 @@ class ModelRunner:
             free = torch.cuda.mem_get_info(self.device)[0]
         else:
             free = psutil.virtual_memory().available
-        num_blocks = int(free * self.cache_config.memory_fraction) // per_block
+        budget = int(free * self.cache_config.memory_fraction)
+        if self.speculator is not None:
+            draft_fixed = self.speculator.kv_cache_bytes(0)  # linear in the block count
+            per_block += self.speculator.kv_cache_bytes(1) - draft_fixed
+            budget -= draft_fixed
+        num_blocks = max(budget, 0) // per_block
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         num_blocks = min(num_blocks, self.scheduler_config.max_num_seqs * blocks_per_seq + 1)
         if num_blocks < 2:
@@ -155,6 +167,7 @@ class ModelRunner:
         for a partial prefill. ``grammar_output`` (structured requests) masks
         the logits of its requests before sampling; other rows are untouched.
         """
+        started = time.perf_counter()
         speculator = self.speculator
         if speculator is not None:
             for req_id in scheduler_output.finished_req_ids:
@@ -207,6 +220,12 @@ class ModelRunner:
                 step.seq_lens,
                 sampled,
             )
+            num_tokens = scheduler_output.total_num_scheduled_tokens
+            if len(step.row_slots) == num_tokens:
+                # The draft budget's cost fit sees whole decode steps (proposing
+                # included), where every token is a logits row as a draft is:
+                # prefill tokens cost less (no logits, no sampling).
+                speculator.observe_step(num_tokens, time.perf_counter() - started)
         return output
 
     def _sample(
