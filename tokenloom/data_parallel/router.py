@@ -74,6 +74,10 @@ class Router:
     def uses_kv_events(self) -> bool:
         return self.config.policy == "prefix"
 
+    def stored_blocks(self, engine: int) -> set[int]:
+        """The block digests core ``engine``'s events reported cached (and not evicted)."""
+        return self._indexes[engine].stored
+
     def owner(self, request_id: str) -> int | None:
         return self._owner.get(request_id)
 
