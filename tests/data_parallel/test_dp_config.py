@@ -64,3 +64,10 @@ def test_one_engine_keeps_the_plain_labels() -> None:
     text = generate_latest(registry).decode()
     assert 'tokenloom:num_requests_running{model_name="m"} 2.0' in text
     assert "engine=" not in text
+
+
+def test_llm_refuses_data_parallel_naming_the_field() -> None:
+    from tokenloom.engine.llm import LLM
+
+    with pytest.raises(ValueError, match="^data_parallel_size"):
+        LLM(data_parallel_size=2)
