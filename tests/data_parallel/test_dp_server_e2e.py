@@ -26,8 +26,6 @@ def server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RemoteServer]:
     backend = request.param
-    if backend == "ray":
-        pytest.importorskip("ray", reason="Ray is an optional extra: pip install tokenloom[ray]")
     log = tmp_path_factory.mktemp(f"dp-{backend}") / "server.log"
     args = ["-dp", "2", "--data-parallel-backend", backend, "--max-model-len", "512"]
     args += ["--num-blocks", "128", "--max-num-seqs", "8"]

@@ -22,17 +22,9 @@ import zmq
 import zmq.asyncio
 
 from tokenloom.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from tokenloom.engine.core_client import MPClient
 from tokenloom.engine.exceptions import EngineDeadError
-from tokenloom.engine.messages import (
-    AbortRequests,
-    CoreError,
-    CoreOutputs,
-    EngineCoreRequest,
-    RemoveLoRA,
-    Shutdown,
-    encode,
-    output_decoder,
-)
+from tokenloom.engine.messages import CoreError, CoreOutputs, Shutdown, encode, output_decoder
 
 if TYPE_CHECKING:
     from tokenloom.engine.core import EngineCore
@@ -150,8 +142,13 @@ def launch_ray_cores(
     return clients
 
 
-class RayCoreClient:
-    """The front end's side of one core actor: the async core client surface over tcp ZMQ."""
+class RayCoreClient(MPClient):
+    """The front end's side of one core actor: the async core client surface over tcp ZMQ.
+
+    Its input side (requests, aborts, LoRA removals sent on ``_input``) is
+    ``MPClient``'s; start-up, liveness, output and shutdown are the actor's, so
+    ``MPClient.__init__`` (which spawns a process) is not called.
+    """
 
     def __init__(self, actor: Any, placement_group: Any | None = None) -> None:
         """``placement_group``: removed by this client's ``shutdown`` (the last core's)."""
@@ -195,28 +192,6 @@ class RayCoreClient:
 
     def is_alive(self) -> bool:
         return self._dead is None and not self._closed and not self._actor_done()
-
-    def _send(self, message: EngineCoreRequest | AbortRequests | RemoveLoRA | Shutdown) -> None:
-        if self._dead is not None:
-            raise self._dead
-        self._input.send(encode(message), zmq.NOBLOCK)
-
-    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        for request in requests:
-            self._send(request)
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and self.is_alive():
-            self._send(AbortRequests(list(request_ids)))
-
-    def remove_lora(self, lora_int_id: int) -> None:
-        if self.is_alive():
-            self._send(RemoveLoRA(lora_int_id))
-
-    def _mark_dead(self, reason: str) -> EngineDeadError:
-        if self._dead is None:
-            self._dead = EngineDeadError(reason)
-        return self._dead
 
     async def get_output(self) -> CoreOutputs:
         """The next step's outputs; raises ``EngineDeadError`` once the actor is gone."""
