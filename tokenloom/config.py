@@ -294,3 +294,40 @@ class ParallelConfig:
             f"must be one of {', '.join(DATA_PARALLEL_BACKENDS)}; "
             f"got {self.data_parallel_backend!r}",
         )
+
+
+DP_LOAD_BALANCE_POLICIES = ("prefix", "round_robin", "least_load")
+
+
+@dataclass(frozen=True)
+class DPLoadBalanceConfig:
+    """How a data parallel front end picks an engine core for each request.
+
+    ``policy``: ``prefix`` (the core holding the longest cached prefix of the
+    prompt, from the cores' KV cache events), ``round_robin`` or
+    ``least_load`` (fewest unfinished requests). ``load_margin``: prefix
+    routing only picks a core whose load exceeds the least loaded core's by at
+    most this many requests. ``pending_ttl_s``: how long a routed prompt's
+    blocks count as held by its core before the core's events confirm them.
+    """
+
+    policy: Literal["prefix", "round_robin", "least_load"] = "prefix"
+    load_margin: int = 8
+    pending_ttl_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.policy in DP_LOAD_BALANCE_POLICIES,
+            "dp_load_balance",
+            f"must be one of {', '.join(DP_LOAD_BALANCE_POLICIES)}; got {self.policy!r}",
+        )
+        _require(
+            _is_int(self.load_margin) and self.load_margin >= 0,
+            "dp_load_margin",
+            f"must be an integer >= 0, got {self.load_margin!r}",
+        )
+        _require(
+            isinstance(self.pending_ttl_s, (int, float)) and self.pending_ttl_s > 0,
+            "pending_ttl_s",
+            f"must be a number > 0, got {self.pending_ttl_s!r}",
+        )

@@ -47,6 +47,7 @@ class CharTokenizer:
 class FakeAsyncLLM:
     model_name = "fake-model"
     max_model_len = 64
+    data_parallel_size = 1
     max_logprobs = 20
 
     def __init__(self, step_delay: float = 0.0) -> None:

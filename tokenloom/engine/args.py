@@ -14,8 +14,10 @@ from typing import Any
 
 from tokenloom.config import (
     CacheConfig,
+    DPLoadBalanceConfig,
     LoRAConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -32,6 +34,8 @@ _INT_FIELDS = (
     "max_logprobs",
     "max_loras",
     "max_lora_rank",
+    "data_parallel_size",
+    "dp_load_margin",
 )
 _OPTIONAL_INT_FIELDS = ("max_model_len", "num_blocks")
 _BOOL_FIELDS = (
@@ -75,11 +79,18 @@ class EngineArgs:
     max_logprobs: int = 20
     # vLLM's speculative_config: a dict, its JSON text, or a SpeculativeConfig (None: off).
     speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None
+    # Data parallel (vLLM's names): engine cores, how they run, how requests pick one.
+    data_parallel_size: int = 1
+    data_parallel_backend: str = "mp"
+    dp_load_balance: str = "prefix"
+    dp_load_margin: int = 8
 
     def __post_init__(self) -> None:
         self._check_types()
         self.create_configs()
         self.create_lora_config()
+        self.create_parallel_config()
+        self.create_dp_load_balance_config()
         self.load_chat_template()
 
     def load_chat_template(self) -> str | None:
@@ -166,6 +177,19 @@ class EngineArgs:
         if not self.enable_lora:
             return None
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+
+    def create_parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            data_parallel_size=self.data_parallel_size,
+            data_parallel_backend=self.data_parallel_backend,  # type: ignore[arg-type]
+        )
+
+    def create_dp_load_balance_config(self) -> DPLoadBalanceConfig:
+        """How requests pick a data parallel engine core."""
+        return DPLoadBalanceConfig(
+            policy=self.dp_load_balance,  # type: ignore[arg-type]
+            load_margin=self.dp_load_margin,
+        )
 
     def _speculative_config(self) -> SpeculativeConfig | None:
         """Parse and check ``speculative_config``, the draft model's path included."""
@@ -273,6 +297,35 @@ class EngineArgs:
             type=int,
             default=d.max_logprobs,
             help="most top logprobs a request may ask for",
+        )
+        group.add_argument(
+            "--data-parallel-size",
+            "-dp",
+            type=int,
+            default=d.data_parallel_size,
+            help="engine cores, each with its own scheduler and KV cache, behind one front end",
+        )
+        group.add_argument(
+            "--data-parallel-backend",
+            choices=["mp", "ray"],
+            default=d.data_parallel_backend,
+            help="run the data parallel cores as local processes or as Ray actors "
+            "(pip install tokenloom[ray]; joins a running Ray cluster if there is one)",
+        )
+        group.add_argument(
+            "--dp-load-balance",
+            choices=["prefix", "round_robin", "least_load"],
+            default=d.dp_load_balance,
+            help="how a request picks a data parallel core: the one caching the longest "
+            "prefix of its prompt (from the cores' KV cache events), round robin, or the "
+            "one with the fewest unfinished requests",
+        )
+        group.add_argument(
+            "--dp-load-margin",
+            type=int,
+            default=d.dp_load_margin,
+            help="prefix routing skips a core with this many more unfinished requests "
+            "than the least loaded core",
         )
         return parser
 

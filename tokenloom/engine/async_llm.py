@@ -23,6 +23,7 @@ from collections.abc import AsyncGenerator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from tokenloom.data_parallel.client import DPClient
 from tokenloom.engine.args import EngineArgs
 from tokenloom.engine.core_client import AsyncInprocClient, InprocClient, MPClient
 from tokenloom.engine.exceptions import EngineDeadError
@@ -48,7 +49,7 @@ _OUTPUT_CHUNK = 256
 # Threads that tokenize prompts and render chats, off the event loop.
 _INPUT_THREADS = min(4, os.cpu_count() or 1)
 
-AsyncClient = AsyncInprocClient | MPClient
+AsyncClient = AsyncInprocClient | MPClient | DPClient
 
 
 class AsyncLLM(EngineClient):
@@ -69,6 +70,7 @@ class AsyncLLM(EngineClient):
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = engine_args.get_served_model_name()
+        self.data_parallel_size = engine_args.data_parallel_size
         self.max_model_len = client.max_model_len
         self.input_processor = InputProcessor(
             tokenizer,
@@ -111,9 +113,24 @@ class AsyncLLM(EngineClient):
         path = resolve_model_path(engine_args.model, engine_args.revision)
         arch = load_arch_config(path)
         model_config = dataclasses.replace(model_config, model=str(path))
+        parallel_config = engine_args.create_parallel_config()
+        data_parallel = parallel_config.data_parallel_size > 1
+        if data_parallel and not multiprocess:
+            raise ValueError("data_parallel_size > 1 runs each engine core in its own process")
         client: AsyncClient
         if multiprocess:
-            mp_client = MPClient(model_config, cache_config, scheduler_config, lora_config)
+            mp_client: MPClient | DPClient
+            if data_parallel:
+                mp_client = DPClient.launch(
+                    model_config,
+                    cache_config,
+                    scheduler_config,
+                    lora_config,
+                    parallel_config,
+                    engine_args.create_dp_load_balance_config(),
+                )
+            else:
+                mp_client = MPClient(model_config, cache_config, scheduler_config, lora_config)
             try:
                 tokenizer = load_tokenizer(path)  # while the core loads the weights
                 mp_client.wait_until_ready()
@@ -270,7 +287,7 @@ class AsyncLLM(EngineClient):
 
     async def _process(self, result: CoreOutputs) -> None:
         outputs = result.outputs
-        stats = IterationStats() if self.stat_loggers else None
+        stats = IterationStats(engine_index=result.engine_index) if self.stat_loggers else None
         now = time.time()
         items = outputs.outputs
         for start in range(0, len(items), _OUTPUT_CHUNK):

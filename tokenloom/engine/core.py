@@ -17,6 +17,7 @@ import time
 from typing import Protocol
 
 from tokenloom.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from tokenloom.core.kv_cache.events import KVCacheEvent
 from tokenloom.core.sched.output import SchedulerOutput
 from tokenloom.core.sched.scheduler import Scheduler
 from tokenloom.engine.messages import CoreOutputs, EngineCoreRequest
@@ -173,6 +174,13 @@ class EngineCore:
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget cached blocks (see ``Scheduler.reset_prefix_cache``); False if it could not."""
         return self.scheduler.reset_prefix_cache(reset_running_requests)
+
+    def enable_kv_events(self) -> None:
+        """Record KV cache events (blocks stored, evicted, cleared) for ``take_kv_events``."""
+        self.scheduler.kv_cache_manager.enable_events()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        return self.scheduler.kv_cache_manager.take_events()
 
     def make_stats_output(self) -> CoreOutputs:
         """No tokens, just the scheduler's state (after aborts, so gauges drop at once)."""

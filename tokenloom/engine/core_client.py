@@ -187,7 +187,11 @@ class MPClient:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         lora_config: LoRAConfig | None = None,
+        engine_index: int = 0,
+        kv_events_address: str | None = None,
     ) -> None:
+        """``engine_index``/``kv_events_address``: a data parallel core's rank and where it
+        publishes KV cache events (see ``tokenloom.data_parallel``)."""
         from tokenloom.engine.core_proc import run_engine_core
 
         self._tmpdir = tempfile.mkdtemp(prefix="tokenloom-")
@@ -215,8 +219,10 @@ class MPClient:
                 "handshake": writer,
                 "die_with_parent": threading.current_thread() is threading.main_thread(),
                 "lora_config": lora_config,
+                "engine_index": engine_index,
+                "kv_events_address": kv_events_address,
             },
-            name="tokenloom-engine-core",
+            name=f"tokenloom-engine-core-{engine_index}",
             daemon=True,
         )
         self.proc.start()

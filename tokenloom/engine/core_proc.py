@@ -34,6 +34,7 @@ from tokenloom.engine.messages import (
 
 if TYPE_CHECKING:
     from tokenloom.engine.core import EngineCore
+    from tokenloom.engine.kv_events import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +73,14 @@ def run_engine_core(
     handshake: Connection,
     die_with_parent: bool = True,
     lora_config: LoRAConfig | None = None,
+    engine_index: int = 0,
+    kv_events_address: str | None = None,
 ) -> None:
-    """Process entry point: build the core, hand-shake, then serve until told to stop."""
+    """Process entry point: build the core, hand-shake, then serve until told to stop.
+
+    ``kv_events_address``: where to publish KV cache events (data parallel
+    routing), as core ``engine_index``; None publishes nothing.
+    """
     if die_with_parent:
         _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's business
@@ -90,26 +97,51 @@ def run_engine_core(
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)
     input_socket.bind(input_address)
+    handshake.send_bytes(encode(Ready(core.num_blocks, core.max_model_len)))
+    handshake.close()
+    serve_engine_core(core, context, input_socket, output_address, engine_index, kv_events_address)
+
+
+def serve_engine_core(
+    core: EngineCore,
+    context: zmq.Context,
+    input_socket: zmq.Socket,
+    output_address: str,
+    engine_index: int = 0,
+    kv_events_address: str | None = None,
+) -> None:
+    """Serve a built core on its bound input socket until told to stop; then free everything."""
     output_socket = context.socket(zmq.PUSH)
     output_socket.setsockopt(zmq.SNDHWM, 0)
     output_socket.setsockopt(zmq.LINGER, 1000)
     output_socket.connect(output_address)
-    handshake.send_bytes(encode(Ready(core.num_blocks, core.max_model_len)))
-    handshake.close()
+    publisher = None
+    if kv_events_address is not None:
+        from tokenloom.engine.kv_events import KVEventPublisher
+
+        core.enable_kv_events()
+        publisher = KVEventPublisher(context, kv_events_address, engine_index)
     try:
-        _serve(core, input_socket, output_socket)
+        _serve(core, input_socket, output_socket, publisher)
     except Exception as exc:
         logger.exception("engine core loop failed")
         message = f"engine core failed: {type(exc).__name__}: {exc}"
         output_socket.send(encode(CoreError(message)))
     finally:
         core.shutdown()
+        if publisher is not None:
+            publisher.close()
         input_socket.close(linger=0)
         output_socket.close()
         context.term()
 
 
-def _serve(core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket) -> None:
+def _serve(
+    core: EngineCore,
+    input_socket: zmq.Socket,
+    output_socket: zmq.Socket,
+    publisher: KVEventPublisher | None = None,
+) -> None:
     parent = multiprocessing.parent_process()
     poller = zmq.Poller()
     poller.register(input_socket, zmq.POLLIN)
@@ -144,6 +176,8 @@ def _serve(core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket
             return
 
         result = core.step()
+        if publisher is not None:
+            publisher.publish(core.take_kv_events())
         if result is not None:
             output_socket.send(encode(result), copy=False)
             stalled = core.last_num_scheduled_tokens == 0 and core.has_work()

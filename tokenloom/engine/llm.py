@@ -45,6 +45,11 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
         self.engine_args = EngineArgs(model=model, **engine_args)
+        if self.engine_args.data_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size: LLM runs one engine core in this process; "
+                "use AsyncLLM or `tokenloom serve -dp N` for data parallel"
+            )
         model_config, cache_config, scheduler_config = self.engine_args.create_configs()
         path = resolve_model_path(model, self.engine_args.revision)
         arch = load_arch_config(path)

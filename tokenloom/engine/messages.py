@@ -42,10 +42,14 @@ class Shutdown(msgspec.Struct, tag=True):
 
 
 class CoreOutputs(msgspec.Struct, tag=True):
-    """One step's outputs, plus when requests that got their first token were first scheduled."""
+    """One step's outputs, plus when requests that got their first token were first scheduled.
+
+    ``engine_index``: which data parallel core produced them (set by the front end).
+    """
 
     outputs: EngineCoreOutputs
     first_scheduled_times: dict[str, float] = {}
+    engine_index: int = 0
 
 
 class CoreError(msgspec.Struct, tag=True):

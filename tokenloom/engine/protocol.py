@@ -56,6 +56,8 @@ class EngineClient(Protocol):
 
     model_name: str
     max_model_len: int
+    # Engine cores behind this front end (data parallel); metrics get an ``engine`` label.
+    data_parallel_size: int
     tokenizer: PreTrainedTokenizerFast
     stat_loggers: list[StatLogger]
 

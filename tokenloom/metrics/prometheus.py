@@ -41,17 +41,23 @@ def token_count_buckets(max_value: int) -> list[float]:
 
 
 class PrometheusStatLogger:
-    """Turns ``SchedulerStats`` and ``IterationStats`` into metrics labelled ``model_name``."""
+    """Turns ``SchedulerStats`` and ``IterationStats`` into metrics labelled ``model_name``.
+
+    With ``num_engines`` > 1 (data parallel) every series also carries an
+    ``engine`` label, the index of the core the stats came from (as vLLM's).
+    """
 
     def __init__(
         self,
         model_name: str,
         registry: CollectorRegistry | None = None,
         max_model_len: int = 32768,
+        num_engines: int = 1,
     ) -> None:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
-        labels = ["model_name"]
+        self._per_engine = num_engines > 1
+        labels = ["model_name", "engine"] if self._per_engine else ["model_name"]
         reg = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -133,8 +139,17 @@ class PrometheusStatLogger:
             ("position",),
         )
         # Expose every finish reason from the start so rate() works on the first request.
+        for engine in range(num_engines):
+            self._expose(self._label_values(engine))
+
+    def _label_values(self, engine_index: int) -> tuple[str, ...]:
+        if self._per_engine:
+            return (self.model_name, str(engine_index))
+        return (self.model_name,)
+
+    def _expose(self, name: tuple[str, ...]) -> None:
         for reason in FINISH_REASONS:
-            self.request_success.labels(model_name, reason)
+            self.request_success.labels(*name, reason)
         for metric in (
             self.num_requests_running,
             self.num_requests_waiting,
@@ -148,50 +163,50 @@ class PrometheusStatLogger:
             self.grammar_compile_time,
             self.grammar_cache_hits,
         ):
-            metric.labels(model_name)
+            metric.labels(*name)
 
     def record(
         self,
         scheduler_stats: SchedulerStats | None,
         iteration_stats: IterationStats | None,
     ) -> None:
-        name = self.model_name
+        name = self._label_values(iteration_stats.engine_index if iteration_stats else 0)
         if scheduler_stats is not None:
-            self.num_requests_running.labels(name).set(scheduler_stats.num_running_reqs)
-            self.num_requests_waiting.labels(name).set(scheduler_stats.num_waiting_reqs)
-            self.kv_cache_usage.labels(name).set(scheduler_stats.kv_cache_usage)
-            self.prefix_cache_queries.labels(name).inc(scheduler_stats.prefix_cache_queries)
-            self.prefix_cache_hits.labels(name).inc(scheduler_stats.prefix_cache_hits)
-            self.num_preemptions.labels(name).inc(scheduler_stats.num_preemptions)
+            self.num_requests_running.labels(*name).set(scheduler_stats.num_running_reqs)
+            self.num_requests_waiting.labels(*name).set(scheduler_stats.num_waiting_reqs)
+            self.kv_cache_usage.labels(*name).set(scheduler_stats.kv_cache_usage)
+            self.prefix_cache_queries.labels(*name).inc(scheduler_stats.prefix_cache_queries)
+            self.prefix_cache_hits.labels(*name).inc(scheduler_stats.prefix_cache_hits)
+            self.num_preemptions.labels(*name).inc(scheduler_stats.num_preemptions)
             spec = scheduler_stats.spec_decoding_stats
             if spec is not None:
-                self.spec_decode_num_drafts.labels(name).inc(spec.num_drafts)
-                self.spec_decode_num_draft_tokens.labels(name).inc(spec.num_draft_tokens)
-                self.spec_decode_num_accepted_tokens.labels(name).inc(spec.num_accepted_tokens)
+                self.spec_decode_num_drafts.labels(*name).inc(spec.num_drafts)
+                self.spec_decode_num_draft_tokens.labels(*name).inc(spec.num_draft_tokens)
+                self.spec_decode_num_accepted_tokens.labels(*name).inc(spec.num_accepted_tokens)
                 per_pos = self.spec_decode_num_accepted_tokens_per_pos
                 for position, count in enumerate(spec.num_accepted_tokens_per_pos):
-                    per_pos.labels(name, str(position)).inc(count)
+                    per_pos.labels(*name, str(position)).inc(count)
             if scheduler_stats.num_structured_requests:
-                self.structured_requests.labels(name).inc(scheduler_stats.num_structured_requests)
-                self.grammar_cache_hits.labels(name).inc(scheduler_stats.grammar_cache_hits)
-            compile_time = self.grammar_compile_time.labels(name)
+                self.structured_requests.labels(*name).inc(scheduler_stats.num_structured_requests)
+                self.grammar_cache_hits.labels(*name).inc(scheduler_stats.grammar_cache_hits)
+            compile_time = self.grammar_compile_time.labels(*name)
             for seconds in scheduler_stats.grammar_compile_times:
                 compile_time.observe(seconds)
         if iteration_stats is None:
             return
-        self.prompt_tokens.labels(name).inc(iteration_stats.num_prompt_tokens)
-        self.generation_tokens.labels(name).inc(iteration_stats.num_generation_tokens)
-        ttft = self.time_to_first_token.labels(name)
+        self.prompt_tokens.labels(*name).inc(iteration_stats.num_prompt_tokens)
+        self.generation_tokens.labels(*name).inc(iteration_stats.num_generation_tokens)
+        ttft = self.time_to_first_token.labels(*name)
         for value in iteration_stats.time_to_first_tokens_iter:
             ttft.observe(value)
-        itl = self.inter_token_latency.labels(name)
+        itl = self.inter_token_latency.labels(*name)
         for value in iteration_stats.inter_token_latencies_iter:
             itl.observe(value)
         for finished in iteration_stats.finished_requests:
-            self.request_success.labels(name, str(finished.finish_reason)).inc()
-            self.e2e_request_latency.labels(name).observe(finished.e2e_latency)
-            self.request_queue_time.labels(name).observe(finished.queued_time)
-            self.request_prefill_time.labels(name).observe(finished.prefill_time)
-            self.request_decode_time.labels(name).observe(finished.decode_time)
-            self.request_prompt_tokens.labels(name).observe(finished.num_prompt_tokens)
-            self.request_generation_tokens.labels(name).observe(finished.num_generation_tokens)
+            self.request_success.labels(*name, str(finished.finish_reason)).inc()
+            self.e2e_request_latency.labels(*name).observe(finished.e2e_latency)
+            self.request_queue_time.labels(*name).observe(finished.queued_time)
+            self.request_prefill_time.labels(*name).observe(finished.prefill_time)
+            self.request_decode_time.labels(*name).observe(finished.decode_time)
+            self.request_prompt_tokens.labels(*name).observe(finished.num_prompt_tokens)
+            self.request_generation_tokens.labels(*name).observe(finished.num_generation_tokens)

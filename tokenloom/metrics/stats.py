@@ -37,9 +37,10 @@ class FinishedRequestStats:
 
 @dataclass
 class IterationStats:
-    """What one engine step output delivered to the front end."""
+    """What one engine step output delivered to the front end (from core ``engine_index``)."""
 
     iteration_timestamp: float = field(default_factory=time.time)
+    engine_index: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     time_to_first_tokens_iter: list[float] = field(default_factory=list)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tokenloom.core.kv_cache.block import KVCacheBlock
+from tokenloom.core.kv_cache.events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 from tokenloom.core.kv_cache.free_queue import FreeBlockQueue
 from tokenloom.core.kv_cache.hashing import BlockHash
 
@@ -15,6 +16,9 @@ class BlockPool:
     A block is *free* when its ref_cnt is 0; it then sits in the LRU free queue,
     possibly still carrying its hash so a later request can hit it. Popping a
     hashed block for reuse evicts it from ``cached``.
+
+    ``events``: None (the default) records nothing; a list gets the
+    ``BlockRemoved`` and ``AllBlocksCleared`` events (the manager adds ``BlockStored``).
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -26,6 +30,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         # Exact prefix identity -> the one block registered for it.
         self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.events: list[KVCacheEvent] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -49,9 +54,20 @@ class BlockPool:
             if block_hash is not None:
                 if cached.get(block_hash) is block:
                     del cached[block_hash]
+                    if self.events is not None:
+                        self._record_removed(block_hash.digest)
                 block.block_hash = None
             block.ref_cnt = 1
         return blocks
+
+    def _record_removed(self, digest: int) -> None:
+        """One ``BlockRemoved`` per run of evictions."""
+        events = self.events
+        assert events is not None
+        if events and isinstance(events[-1], BlockRemoved):
+            events[-1].block_hashes.append(digest)
+        else:
+            events.append(BlockRemoved([digest]))
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on each block, pulling free ones out of the queue."""
@@ -85,4 +101,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         return True

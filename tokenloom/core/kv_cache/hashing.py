@@ -8,6 +8,11 @@ ids of the whole chain, so two different prefixes can never be confused even
 when their digests collide. Walking the chain stops at the first
 shared ancestor object, and the manager reuses the cached object for a matching
 prefix (see ``KVCacheManager``), so in practice equality is an identity check.
+
+Digests hash only integers, so they are the same in every process (no string
+hash randomisation, no ``hash(None)``): KV cache events carry them, and a
+front end computes them from a prompt's token ids (:func:`prompt_block_digests`)
+to tell which engine core already holds a prompt's prefix.
 """
 
 from __future__ import annotations
@@ -18,7 +23,12 @@ if TYPE_CHECKING:
     from tokenloom.request import Request
 
 
-def digest_block(parent_digest: int | None, token_ids: tuple[int, ...]) -> int:
+# Seeds of a chain's first block: the base model's, and a LoRA adapter's (with its id).
+_ROOT_SEED = 0x746F6B656E6C6F6F
+_LORA_SEED = 0x6C6F7261
+
+
+def digest_block(parent_digest: int, token_ids: tuple[int, ...]) -> int:
     """Bucket key of a block. Collisions are harmless (see module doc); tests patch this."""
     return hash((parent_digest, token_ids))
 
@@ -40,10 +50,10 @@ class BlockHash:
         self.token_ids = token_ids
         if parent is not None:
             self.extra_key = parent.extra_key
-            seed: int | None = parent.digest
+            seed = parent.digest
         else:
             self.extra_key = extra_key
-            seed = None if extra_key == 0 else hash(("extra_key", extra_key))
+            seed = _ROOT_SEED if extra_key == 0 else hash((_LORA_SEED, extra_key))
         self.digest = digest_block(seed, token_ids)
 
     def __hash__(self) -> int:
@@ -95,3 +105,13 @@ def extend_block_hashes(
         hashes.append(block_hash)
         parent = block_hash
     return hashes
+
+
+def prompt_block_digests(token_ids: list[int], block_size: int, lora_int_id: int = 0) -> list[int]:
+    """Digests of the full blocks of ``token_ids``, as an engine core caching them reports."""
+    digests: list[int] = []
+    parent: BlockHash | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = BlockHash(parent, tuple(token_ids[start : start + block_size]), lora_int_id)
+        digests.append(parent.digest)
+    return digests

@@ -23,7 +23,8 @@ from collections.abc import Mapping
 
 from tokenloom.core.kv_cache.block import EMPTY_BLOCKS, KVCacheBlock, KVCacheBlocks
 from tokenloom.core.kv_cache.block_pool import BlockPool
-from tokenloom.core.kv_cache.hashing import extend_block_hashes
+from tokenloom.core.kv_cache.events import BlockStored, KVCacheEvent
+from tokenloom.core.kv_cache.hashing import BlockHash, extend_block_hashes
 from tokenloom.request import Request
 
 _NEVER = sys.maxsize
@@ -92,6 +93,22 @@ class KVCacheManager:
     def num_usable_blocks(self) -> int:
         """Blocks a request can ever get: all but the null block."""
         return self.num_blocks - 1
+
+    # ------------------------------------------------------------------ events
+
+    def enable_events(self) -> None:
+        """Record KV cache events from now on (see :mod:`tokenloom.core.kv_cache.events`)."""
+        if self.block_pool.events is None:
+            self.block_pool.events = []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call (none while recording is off)."""
+        pool = self.block_pool
+        events = pool.events
+        if not events:
+            return []
+        pool.events = []
+        return events
 
     def create_empty_block_list(self) -> KVCacheBlocks:
         return EMPTY_BLOCKS
@@ -316,14 +333,41 @@ class KVCacheManager:
         pool = self.block_pool
         hashes = extend_block_hashes(request, block_size, pool.cached)
         blocks = state.blocks
+        stored: list[int] | None = None if pool.events is None else []
         for i in range(state.num_cached, num_full):
             block = blocks[i]
             # A prefix-hit block already carries its hash; a block whose prefix
             # another block already caches stays unregistered (a duplicate).
             if block.block_hash is None:
-                pool.cache_block(block, hashes[i])
+                if pool.cache_block(block, hashes[i]) and stored is not None:
+                    stored.append(i)
+        if stored:
+            self._record_stored(request, hashes, stored)
         state.num_cached = num_full
         state.next_cache_end = (num_full + 1) * block_size
+
+    def _record_stored(self, request: Request, hashes: list[BlockHash], indices: list[int]) -> None:
+        """One ``BlockStored`` per run of consecutive newly cached blocks of ``request``."""
+        events = self.block_pool.events
+        assert events is not None
+        size = self.block_size
+        tokens = request.all_token_ids
+        lora_id = request.lora_int_id or None
+        start = 0
+        for k in range(1, len(indices) + 1):
+            if k < len(indices) and indices[k] == indices[k - 1] + 1:
+                continue
+            first, last = indices[start], indices[k - 1]
+            events.append(
+                BlockStored(
+                    block_hashes=[h.digest for h in hashes[first : last + 1]],
+                    parent_block_hash=hashes[first - 1].digest if first else None,
+                    token_ids=list(tokens[first * size : (last + 1) * size]),
+                    block_size=size,
+                    lora_id=lora_id,
+                )
+            )
+            start = k
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its last blocks are evicted first."""

@@ -111,7 +111,11 @@ def build_app(
     chat = OpenAIServingChat(serving, trust_request_chat_template, tool_call_parser)
     if registry is None:
         registry = CollectorRegistry()
-        engine.stat_loggers.append(PrometheusStatLogger(model_name, registry, engine.max_model_len))
+        engine.stat_loggers.append(
+            PrometheusStatLogger(
+                model_name, registry, engine.max_model_len, engine.data_parallel_size
+            )
+        )
     metrics_registry = registry
 
     app = FastAPI(title="tokenloom", version=tokenloom.__version__)

@@ -1,0 +1,280 @@
+"""``DPClient``: N engine cores behind the one-core client surface ``AsyncLLM`` uses.
+
+Each core has its own client (``MPClient`` for local processes, a Ray
+actor's client for ``--data-parallel-backend ray``). New requests go to the
+core the ``Router`` picks; aborts go to the core that owns the request; a
+LoRA removal goes to every core. ``get_output`` returns the next step output
+of whichever core has one, tagged with that core's ``engine_index`` (for the
+per-core ``engine`` label of the metrics), and feeds the cores' KV cache
+events to the router on the way.
+
+Failover hook: ``resubmit(requests, exclude_core=i)`` re-routes requests a
+dead core owned to the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from collections import deque
+from collections.abc import Collection
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from tokenloom.config import (
+    CacheConfig,
+    DPLoadBalanceConfig,
+    LoRAConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from tokenloom.core.kv_cache.events import decode_batch
+from tokenloom.data_parallel.router import Router
+from tokenloom.engine.kv_events import TOPIC
+from tokenloom.engine.messages import CoreOutputs, EngineCoreRequest
+
+
+class CoreClient(Protocol):
+    """One engine core's async client (``MPClient`` or ``RayCoreClient``)."""
+
+    num_blocks: int
+    max_model_len: int
+    engine_core_pid: int | None
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None: ...
+
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    def remove_lora(self, lora_int_id: int) -> None: ...
+
+    async def get_output(self) -> CoreOutputs: ...
+
+    def wait_until_ready(self, timeout_s: float = 900.0) -> None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def shutdown(self) -> None: ...
+
+
+class KVEventSubscriber:
+    """The SUB socket every core's KV event publisher connects to."""
+
+    def __init__(self, address: str) -> None:
+        """``address``: ``ipc://PATH``, or ``tcp://HOST:PORT`` (port 0: pick one)."""
+        self._context = zmq.asyncio.Context()
+        self.socket = self._context.socket(zmq.SUB)
+        self.socket.setsockopt(zmq.RCVHWM, 100_000)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        if address.startswith("tcp://") and address.endswith(":0"):
+            host = address[len("tcp://") : -len(":0")]
+            port = self.socket.bind_to_random_port(f"tcp://{host}")
+            address = f"tcp://{host}:{port}"
+        else:
+            self.socket.bind(address)
+        self.address = address
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        self._context.term()
+
+
+class DPClient:
+    """Data parallel engine cores, presented as one core client."""
+
+    def __init__(
+        self,
+        clients: list[CoreClient],
+        router: Router,
+        events: KVEventSubscriber | None = None,
+        tmpdir: str | None = None,
+    ) -> None:
+        self.clients = clients
+        self.router = router
+        self._events = events
+        self._tmpdir = tmpdir
+        self.num_blocks = 0
+        self.max_model_len = 0
+        self._ready: deque[CoreOutputs] = deque()
+        self._tasks: dict[int, asyncio.Task[CoreOutputs]] = {}
+        self._events_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    @classmethod
+    def launch(
+        cls,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        lora_config: LoRAConfig | None,
+        parallel_config: ParallelConfig,
+        load_balance: DPLoadBalanceConfig,
+    ) -> DPClient:
+        """Start the cores (they load in parallel); call ``wait_until_ready`` next."""
+        size = parallel_config.data_parallel_size
+        router = Router(size, load_balance, cache_config.block_size)
+        if parallel_config.data_parallel_backend == "ray":
+            from tokenloom.data_parallel.ray_backend import launch_ray_cores, node_ip
+
+            events = KVEventSubscriber(f"tcp://{node_ip()}:0") if router.uses_kv_events else None
+            ray_clients = launch_ray_cores(
+                size,
+                model_config,
+                cache_config,
+                scheduler_config,
+                lora_config,
+                None if events is None else events.address,
+            )
+            return cls(list(ray_clients), router, events)
+
+        from tokenloom.engine.core_client import MPClient
+
+        tmpdir = tempfile.mkdtemp(prefix="tokenloom-dp-")
+        events = KVEventSubscriber(f"ipc://{tmpdir}/kv-events") if router.uses_kv_events else None
+        clients: list[CoreClient] = []
+        try:
+            for index in range(size):
+                clients.append(
+                    MPClient(
+                        model_config,
+                        cache_config,
+                        scheduler_config,
+                        lora_config,
+                        engine_index=index,
+                        kv_events_address=None if events is None else events.address,
+                    )
+                )
+        except BaseException:
+            cls(clients, router, events, tmpdir).shutdown()
+            raise
+        return cls(clients, router, events, tmpdir)
+
+    # ------------------------------------------------------------------ state
+
+    def wait_until_ready(self, timeout_s: float = 900.0) -> None:
+        """Block until every core is ready; the usable context is the smallest core's."""
+        for client in self.clients:
+            client.wait_until_ready(timeout_s)
+        self.num_blocks = min(client.num_blocks for client in self.clients)
+        self.max_model_len = min(client.max_model_len for client in self.clients)
+
+    @property
+    def engine_core_pid(self) -> int | None:
+        return self.clients[0].engine_core_pid
+
+    @property
+    def engine_core_pids(self) -> list[int | None]:
+        return [client.engine_core_pid for client in self.clients]
+
+    def is_alive(self) -> bool:
+        return not self._closed and all(client.is_alive() for client in self.clients)
+
+    # ------------------------------------------------------------------ input
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        self._route_and_send(requests, ())
+
+    def resubmit(self, requests: list[EngineCoreRequest], exclude_core: int) -> None:
+        """Route requests again, to any core but ``exclude_core`` (failover of a dead core)."""
+        for request in requests:
+            self.router.release(request.request_id)
+        self._route_and_send(requests, (exclude_core,))
+
+    def _route_and_send(self, requests: list[EngineCoreRequest], exclude: Collection[int]) -> None:
+        for request in requests:
+            lora = request.lora_request
+            engine = self.router.route(
+                request.request_id,
+                request.prompt_token_ids,
+                0 if lora is None else lora.lora_int_id,
+                exclude,
+            )
+            self.clients[engine].add_requests([request])
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        by_engine: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            engine = self.router.release(request_id)
+            if engine is not None:
+                by_engine.setdefault(engine, []).append(request_id)
+        for engine, ids in by_engine.items():
+            self.clients[engine].abort_requests(ids)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        for client in self.clients:
+            client.remove_lora(lora_int_id)
+
+    # ------------------------------------------------------------------ output
+
+    async def get_output(self) -> CoreOutputs:
+        """The next step output of any core; raises ``EngineDeadError`` when one dies."""
+        while not self._ready:
+            loop = asyncio.get_running_loop()
+            if self._loop is not loop:
+                self._cancel_tasks()
+                self._loop = loop
+            for index, client in enumerate(self.clients):
+                if index not in self._tasks:
+                    self._tasks[index] = loop.create_task(client.get_output())
+            waiting: set[asyncio.Future[object]] = set(self._tasks.values())  # type: ignore[arg-type]
+            if self._events is not None:
+                if self._events_task is None:
+                    self._events_task = loop.create_task(self._apply_events(self._events))
+                waiting.add(self._events_task)  # type: ignore[arg-type]
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if self._events_task is not None and self._events_task in done:
+                self._events_task = None
+            for index, output_task in list(self._tasks.items()):
+                if output_task in done:
+                    del self._tasks[index]
+                    self._take(index, output_task.result())  # raises EngineDeadError
+        return self._ready.popleft()
+
+    async def _apply_events(self, events: KVEventSubscriber) -> None:
+        """Wait for event batches, then apply every one that has arrived."""
+        frames = [await events.socket.recv_multipart()]
+        while True:
+            try:
+                frames.append(await events.socket.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        for _topic, frame in frames:
+            self.router.apply_events(decode_batch(frame))
+
+    def _take(self, engine: int, result: CoreOutputs) -> None:
+        result.engine_index = engine
+        finished = result.outputs.finished_requests
+        if finished:
+            for request_id in finished:
+                self.router.release(request_id)
+        self._ready.append(result)
+
+    def _cancel_tasks(self) -> None:
+        """Tasks of another (or a closed) event loop; a result they already hold is kept."""
+        for index, task in self._tasks.items():
+            if task.done() and not task.cancelled() and task.exception() is None:
+                self._take(index, task.result())
+            elif not task.get_loop().is_closed():
+                task.get_loop().call_soon_threadsafe(task.cancel)
+        self._tasks.clear()
+        events_task = self._events_task
+        if events_task is not None and not events_task.get_loop().is_closed():
+            events_task.get_loop().call_soon_threadsafe(events_task.cancel)
+        self._events_task = None
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._cancel_tasks()
+        for client in self.clients:
+            client.shutdown()
+        if self._events is not None:
+            self._events.close()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
