@@ -16,6 +16,7 @@ from tokenloom.config import (
     CacheConfig,
     LoRAConfig,
     ModelConfig,
+    RecoveryConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -75,11 +76,15 @@ class EngineArgs:
     max_logprobs: int = 20
     # vLLM's speculative_config: a dict, its JSON text, or a SpeculativeConfig (None: off).
     speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None
+    # Crash recovery (RecoveryConfig): engine core restarts and the wait before them.
+    max_engine_restarts: int = 3
+    engine_restart_backoff_s: float = 1.0
 
     def __post_init__(self) -> None:
         self._check_types()
         self.create_configs()
         self.create_lora_config()
+        self.create_recovery_config()
         self.load_chat_template()
 
     def load_chat_template(self) -> str | None:
@@ -166,6 +171,13 @@ class EngineArgs:
         if not self.enable_lora:
             return None
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+
+    def create_recovery_config(self) -> RecoveryConfig:
+        """How a dead engine core is restarted (``max_engine_restarts`` 0: it is not)."""
+        return RecoveryConfig(
+            max_engine_restarts=self.max_engine_restarts,
+            engine_restart_backoff_s=self.engine_restart_backoff_s,
+        )
 
     def _speculative_config(self) -> SpeculativeConfig | None:
         """Parse and check ``speculative_config``, the draft model's path included."""
@@ -273,6 +285,18 @@ class EngineArgs:
             type=int,
             default=d.max_logprobs,
             help="most top logprobs a request may ask for",
+        )
+        group.add_argument(
+            "--max-engine-restarts",
+            type=int,
+            default=d.max_engine_restarts,
+            help="times a crashed engine core is restarted, its requests resumed (0: never)",
+        )
+        group.add_argument(
+            "--engine-restart-backoff-s",
+            type=float,
+            default=d.engine_restart_backoff_s,
+            help="seconds before the first restart, doubled for each later one (max 30)",
         )
         return parser
 
