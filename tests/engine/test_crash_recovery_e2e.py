@@ -20,12 +20,11 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from tests.engine.fakes import RestartCounter
 from tokenloom import SamplingParams
 from tokenloom.engine.args import EngineArgs
 from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.engine.exceptions import EngineDeadError
-from tokenloom.metrics.stats import IterationStats
-from tokenloom.outputs import SchedulerStats
 
 # One event loop for the module: the reference run is a module fixture.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900), pytest.mark.asyncio(loop_scope="module")]
@@ -52,15 +51,6 @@ def params(i: int) -> SamplingParams:
 
 
 PROMPTS = [f"Write a short note about topic {i}: the sea, ships and sailors." for i in range(32)]
-
-
-class RestartCounter:
-    def __init__(self) -> None:
-        self.restarts = 0
-
-    def record(self, _: SchedulerStats | None, iteration: IterationStats | None) -> None:
-        if iteration is not None:
-            self.restarts += iteration.num_engine_restarts
 
 
 @pytest.fixture(scope="module")
@@ -129,12 +119,17 @@ async def kill_core(engine: AsyncLLM) -> int:
     return pid
 
 
+async def crash_midway(engine: AsyncLLM, tag: str) -> tuple[Run, int]:
+    """32 streams; the core is killed once each has its first tokens. Returns the dead pid."""
+    run = Run(engine, tag)
+    await wait_until(run.all_started, 300, "every stream's first tokens")
+    return run, await kill_core(engine)
+
+
 async def test_sigkill_during_32_streams_loses_nothing(
     engine: AsyncLLM, reference: list[list[int]], counter: RestartCounter
 ) -> None:
-    run = Run(engine, "crash")
-    await wait_until(run.all_started, 300, "every stream's first tokens")
-    killed = await kill_core(engine)
+    run, killed = await crash_midway(engine, "crash")
     streamed_before = sum(len(t) for t in run.tokens)
     await wait_until(lambda: engine.restarting, 30, "the engine to notice the dead core")
     # Degraded, not dead: health passes and new requests are accepted meanwhile.
@@ -158,9 +153,7 @@ async def test_sigkill_during_32_streams_loses_nothing(
 async def test_a_core_killed_again_during_replay(
     engine: AsyncLLM, reference: list[list[int]], counter: RestartCounter
 ) -> None:
-    run = Run(engine, "twice")
-    await wait_until(run.all_started, 300, "every stream's first tokens")
-    first = await kill_core(engine)
+    run, first = await crash_midway(engine, "twice")
     # The replacement is killed as soon as it is ready: while it recomputes the replay.
     await wait_until(lambda: engine.engine_core_pid != first, 300, "the first restart")
     await kill_core(engine)
@@ -171,9 +164,7 @@ async def test_a_core_killed_again_during_replay(
 
 
 async def test_once_the_budget_is_spent_a_crash_is_final(engine: AsyncLLM) -> None:
-    run = Run(engine, "final")
-    await wait_until(run.all_started, 300, "every stream's first tokens")
-    await kill_core(engine)
+    run, _ = await crash_midway(engine, "final")
     with pytest.raises(EngineDeadError):
         await run.finish()
     assert engine.errored and not engine.restarting

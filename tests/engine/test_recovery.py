@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.engine.fakes import FakeModelRunner
+from tests.engine.fakes import FakeModelRunner, RestartCounter
 from tokenloom.config import CacheConfig, RecoveryConfig, SchedulerConfig
 from tokenloom.engine.args import EngineArgs
 from tokenloom.engine.async_llm import AsyncLLM
@@ -23,8 +23,7 @@ from tokenloom.engine.messages import EngineCoreRequest, encode, input_decoder
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.recovery import InFlight, resumed_request
 from tokenloom.engine.supervisor import CoreSupervisor
-from tokenloom.metrics.stats import IterationStats
-from tokenloom.outputs import EngineCoreOutput, RequestOutput, SchedulerStats
+from tokenloom.outputs import EngineCoreOutput, RequestOutput
 from tokenloom.request import FinishReason
 from tokenloom.sampling_params import SamplingParams
 
@@ -183,15 +182,6 @@ class DyingRunner(FakeModelRunner):
             self.calls.append(scheduler_output)  # what it was asked to do when it died
             raise RuntimeError("core crashed")
         return super().execute_model(scheduler_output)
-
-
-class RestartCounter:
-    def __init__(self) -> None:
-        self.restarts = 0
-
-    def record(self, _: SchedulerStats | None, iteration: IterationStats | None) -> None:
-        if iteration is not None:
-            self.restarts += iteration.num_engine_restarts
 
 
 class Cluster:
