@@ -331,3 +331,36 @@ class DPLoadBalanceConfig:
             "pending_ttl_s",
             f"must be a number > 0, got {self.pending_ttl_s!r}",
         )
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """What the front end does when an engine core process dies.
+
+    ``max_engine_restarts``: start attempts over the engine's life (a start that
+    fails counts too); 0 turns recovery off, so a dead core is final.
+    ``engine_restart_backoff_s``: wait before the first attempt, doubled for
+    each later one and capped at ``max_engine_restart_backoff_s``.
+    """
+
+    max_engine_restarts: int = 3
+    engine_restart_backoff_s: float = 1.0
+    max_engine_restart_backoff_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _require(
+            _is_int(self.max_engine_restarts) and self.max_engine_restarts >= 0,
+            "max_engine_restarts",
+            f"must be an integer >= 0, got {self.max_engine_restarts!r}",
+        )
+        for name in ("engine_restart_backoff_s", "max_engine_restart_backoff_s"):
+            value = getattr(self, name)
+            _require(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+                name,
+                f"must be a number >= 0, got {value!r}",
+            )
+
+    def backoff_s(self, attempt: int) -> float:
+        """Seconds to wait before start attempt number ``attempt`` (0-based)."""
+        return min(self.engine_restart_backoff_s * 2**attempt, self.max_engine_restart_backoff_s)

@@ -124,7 +124,10 @@ class Request:
         priority: int = 0,
         client_index: int = 0,
         lora_request: LoRARequest | None = None,
+        prior_output_token_ids: list[int] | None = None,
     ) -> None:
+        """``prior_output_token_ids``: output a crashed engine core already produced
+        (a resumed request); they count as output for every limit and penalty."""
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         max_tokens = sampling_params.max_tokens
@@ -139,6 +142,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        if prior_output_token_ids:
+            self.output_token_ids.extend(prior_output_token_ids)
+            self.all_token_ids.extend(prior_output_token_ids)
         self.stopping_token_ids = stopping_token_ids(sampling_params, eos_token_id)
         # While len(output_token_ids) < _open_below, one more token reaches neither
         # max_tokens nor max_model_len (= _open_for): a constant the slow path of

@@ -235,3 +235,48 @@ def test_stats_count_requests_compiles_and_cache_hits(manager: StructuredOutputM
     assert len(stats.grammar_compile_times) == 2
     harness.run_until_done()
     assert_no_leaks(scheduler)
+
+
+def _resumed(req_id: str, prior: list[int]) -> Any:
+    """A structured request resumed after an engine crash with output ``prior``."""
+    from tokenloom.request import Request
+
+    fresh = _structured(req_id, max_tokens=6)
+    return Request(
+        req_id,
+        fresh.prompt_token_ids,
+        fresh.sampling_params,
+        eos_token_id=EOS,
+        prior_output_token_ids=prior,
+    )
+
+
+def test_a_resumed_request_continues_its_grammar_after_its_output(
+    manager: StructuredOutputManager,
+) -> None:
+    scheduler = make_scheduler(structured_output_manager=manager)
+    harness = Harness(scheduler, FakeRunner(scripted({"s": [C, EOS]}, default=X)))
+    harness.add(_resumed("s", [AB]))
+    _wait_compiled(scheduler)
+    so = harness.schedule()
+    grammar = scheduler.get_grammar_bitmask(so)
+    assert grammar is not None
+    allowed = np.unpackbits(grammar.grammar_bitmask[0].view(np.uint8), bitorder="little")
+    # After "ab", (ab|c)+ may end: EOS is allowed now, as it would be without the crash.
+    assert np.flatnonzero(allowed[: len(VOCAB)]).tolist() == [EOS, A, C, AB]
+    harness.run(so)
+    harness.run_until_done()
+    assert harness.finished["s"].finish_reason == "stop"
+    assert_no_leaks(scheduler)
+
+
+def test_a_resumed_output_the_grammar_refuses_aborts_the_request(
+    manager: StructuredOutputManager,
+) -> None:
+    scheduler = make_scheduler(structured_output_manager=manager)
+    harness = Harness(scheduler, FakeRunner(scripted({}, default=C)))
+    harness.add(_resumed("s", [X]))
+    _wait_compiled(scheduler)
+    harness.run_until_done()
+    assert harness.finished["s"].finish_reason == "abort"
+    assert_no_leaks(scheduler)

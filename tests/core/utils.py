@@ -69,9 +69,14 @@ class FakeRunner:
             self.mirror.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.mirror, f"{new.req_id} sent as new twice"
+            # A request resumed after an engine crash brings its earlier output.
             self.mirror[new.req_id] = MirroredRequest(
-                list(new.prompt_token_ids), new.num_computed_tokens, list(new.block_ids)
+                list(new.prompt_token_ids) + list(new.output_token_ids),
+                new.num_computed_tokens,
+                list(new.block_ids),
             )
+            if new.output_token_ids:
+                self.given[new.req_id] = list(new.output_token_ids)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from tests.core.utils import FakeRunner
+from tokenloom.metrics.stats import IterationStats
+from tokenloom.outputs import SchedulerStats
 
 
 class FakeModelRunner:
@@ -23,3 +25,14 @@ class FakeModelRunner:
     def remove_lora(self, lora_int_id: int) -> bool:
         self.calls.append(("remove_lora", lora_int_id))
         return False
+
+
+class RestartCounter:
+    """A stat logger that counts engine core restarts (crash recovery)."""
+
+    def __init__(self) -> None:
+        self.restarts = 0
+
+    def record(self, _: SchedulerStats | None, iteration: IterationStats | None) -> None:
+        if iteration is not None:
+            self.restarts += iteration.num_engine_restarts

@@ -45,7 +45,10 @@ def async_inproc(default_model_path: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def async_mp(default_model_path: Path) -> Any:
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(default_model_path), **ENGINE_KWARGS))
+    # No restarts: the last test checks what a dead core means (test_crash_recovery_e2e
+    # covers restarts).
+    args = EngineArgs(model=str(default_model_path), max_engine_restarts=0, **ENGINE_KWARGS)
+    engine = AsyncLLM.from_engine_args(args)
     assert engine.engine_core_pid is not None and engine.engine_core_pid != os.getpid()
     yield engine
     engine.shutdown()

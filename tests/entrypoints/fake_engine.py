@@ -55,6 +55,7 @@ class FakeAsyncLLM:
         self.stat_loggers: list[StatLogger] = []
         self.step_delay = step_delay
         self.errored = False
+        self.restarting = False  # the real engine's degraded state (crash recovery)
         self.num_waiting_requests = 0
         self.num_running_requests = 0
         self.started: list[str] = []

@@ -27,6 +27,7 @@ SHORT = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "ignore_eos": True}
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     log = tmp_path_factory.mktemp("limited") / "server.log"
     args = ["--max-model-len", "256", "--num-blocks", "64", "--max-num-seqs", "1"]
+    args += ["--max-engine-restarts", "0"]  # the engine's death is final here
     server = RemoteServer([*args, "--max-waiting-requests", "1"], log)
     yield server
     server.stop()

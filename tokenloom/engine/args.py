@@ -18,6 +18,7 @@ from tokenloom.config import (
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
+    RecoveryConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -84,6 +85,9 @@ class EngineArgs:
     data_parallel_backend: str = "mp"
     dp_load_balance: str = "prefix"
     dp_load_margin: int = 8
+    # Crash recovery (RecoveryConfig): engine core restarts and the wait before them.
+    max_engine_restarts: int = 3
+    engine_restart_backoff_s: float = 1.0
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -91,6 +95,7 @@ class EngineArgs:
         self.create_lora_config()
         self.create_parallel_config()
         self.create_dp_load_balance_config()
+        self.create_recovery_config()
         self.load_chat_template()
 
     def load_chat_template(self) -> str | None:
@@ -189,6 +194,13 @@ class EngineArgs:
         return DPLoadBalanceConfig(
             policy=self.dp_load_balance,  # type: ignore[arg-type]
             load_margin=self.dp_load_margin,
+        )
+
+    def create_recovery_config(self) -> RecoveryConfig:
+        """How a dead engine core is restarted (``max_engine_restarts`` 0: it is not)."""
+        return RecoveryConfig(
+            max_engine_restarts=self.max_engine_restarts,
+            engine_restart_backoff_s=self.engine_restart_backoff_s,
         )
 
     def _speculative_config(self) -> SpeculativeConfig | None:
@@ -326,6 +338,18 @@ class EngineArgs:
             default=d.dp_load_margin,
             help="prefix routing skips a core with this many more unfinished requests "
             "than the least loaded core",
+        )
+        group.add_argument(
+            "--max-engine-restarts",
+            type=int,
+            default=d.max_engine_restarts,
+            help="times a crashed engine core is restarted, its requests resumed (0: never)",
+        )
+        group.add_argument(
+            "--engine-restart-backoff-s",
+            type=float,
+            default=d.engine_restart_backoff_s,
+            help="seconds before the first restart, doubled for each later one (max 30)",
         )
         return parser
 

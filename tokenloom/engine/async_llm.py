@@ -8,7 +8,9 @@ output-handler task that detokenizes them and hands each request's
 stops iterating (a client that disconnects) aborts its request in the core.
 
 With the core in its own process, this process imports no torch: the model
-path, arch config and tokenizer are all read by torch-free code.
+path, arch config and tokenizer are all read by torch-free code. If that
+process dies, a ``CoreSupervisor`` starts a new one and the requests in flight
+resume on it (``recovery``); meanwhile the engine is degraded, not dead.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -28,9 +30,11 @@ from tokenloom.engine.args import EngineArgs
 from tokenloom.engine.core_client import AsyncInprocClient, InprocClient, MPClient
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.input_processor import InputProcessor, eos_token_ids
-from tokenloom.engine.messages import CoreOutputs
+from tokenloom.engine.messages import CoreOutputs, EngineCoreRequest
 from tokenloom.engine.output_processor import OutputProcessor, RequestOutputCollector
 from tokenloom.engine.protocol import ChatOptions, EngineClient, PromptType, RenderedChat
+from tokenloom.engine.recovery import resumed_request
+from tokenloom.engine.supervisor import CoreSupervisor, mp_client_starter
 from tokenloom.lora_request import LoRARequest
 from tokenloom.metrics.stats import IterationStats, LoggingStatLogger, StatLogger
 from tokenloom.model.arch_config import ModelArchConfig
@@ -64,8 +68,10 @@ class AsyncLLM(EngineClient):
         eos_ids: list[int],
         stat_loggers: list[StatLogger] | None = None,
         arch: ModelArchConfig | None = None,
+        supervisor: CoreSupervisor[AsyncClient] | None = None,
     ) -> None:
-        """``arch``: the base model's shapes, which LoRA adapters are checked against."""
+        """``arch``: the base model's shapes, which LoRA adapters are checked against.
+        ``supervisor``: restarts a dead core (None: a dead core is final)."""
         self.engine_args = engine_args
         self.client = client
         self.tokenizer = tokenizer
@@ -91,6 +97,7 @@ class AsyncLLM(EngineClient):
         self.stat_loggers += stat_loggers or []
         self.latest_scheduler_stats: SchedulerStats | None = None
         self._dead: EngineDeadError | None = None
+        self.supervisor = supervisor
         self._output_task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -118,6 +125,7 @@ class AsyncLLM(EngineClient):
         if data_parallel and not multiprocess:
             raise ValueError("data_parallel_size > 1 runs each engine core in its own process")
         client: AsyncClient
+        supervisor: CoreSupervisor[AsyncClient] | None = None
         if multiprocess:
             mp_client: MPClient | DPClient
             if data_parallel:
@@ -138,12 +146,18 @@ class AsyncLLM(EngineClient):
                 mp_client.shutdown()
                 raise
             client = mp_client
+            recovery = engine_args.create_recovery_config()
+            if recovery.max_engine_restarts:
+                start = mp_client_starter(model_config, cache_config, scheduler_config, lora_config)
+                supervisor = CoreSupervisor(recovery, start)
         else:
             tokenizer = load_tokenizer(path)
             core = EngineCore.from_config(model_config, cache_config, scheduler_config, lora_config)
             client = AsyncInprocClient(InprocClient(core))
         eos_ids = eos_token_ids(arch.eos_token_ids, tokenizer)
-        return cls(engine_args, client, tokenizer, arch.vocab_size, eos_ids, stat_loggers, arch)
+        return cls(
+            engine_args, client, tokenizer, arch.vocab_size, eos_ids, stat_loggers, arch, supervisor
+        )
 
     # ------------------------------------------------------------------ state
 
@@ -152,8 +166,15 @@ class AsyncLLM(EngineClient):
         return self.client.engine_core_pid
 
     @property
+    def restarting(self) -> bool:
+        """True while a dead core is being replaced: degraded, requests wait for the new one."""
+        return self.supervisor is not None and self.supervisor.restarting
+
+    @property
     def errored(self) -> bool:
-        return self._dead is not None or not self.client.is_alive()
+        if self._dead is not None:
+            return True
+        return not self.restarting and not self.client.is_alive()
 
     @property
     def is_running(self) -> bool:
@@ -233,7 +254,8 @@ class AsyncLLM(EngineClient):
         finished = False
         try:
             self._ensure_output_handler()
-            self.client.add_requests(requests)
+            if not self.restarting:  # else the new core gets it with the resumed ones
+                self.client.add_requests(requests)
             while not finished:
                 output = await collector.get()
                 finished = output.finished
@@ -260,7 +282,7 @@ class AsyncLLM(EngineClient):
 
     def _abort_now(self, request_ids: list[str]) -> None:
         core_ids = self.output_processor.abort_requests(request_ids)
-        if core_ids and not self.errored:
+        if core_ids and not self.errored and not self.restarting:
             self.client.abort_requests(core_ids)
 
     # ------------------------------------------------------------------ outputs
@@ -273,17 +295,60 @@ class AsyncLLM(EngineClient):
         self._output_task = loop.create_task(self._run_output_handler())
 
     async def _run_output_handler(self) -> None:
-        try:
-            while True:
-                result = await self.client.get_output()
-                await self._process(result)
-        except asyncio.CancelledError:
-            raise
-        except EngineDeadError as exc:
-            self._on_dead(exc)
-        except Exception as exc:
-            logger.exception("output handler failed")
-            self._on_dead(EngineDeadError(f"engine output handling failed: {exc}"))
+        while True:
+            try:
+                while True:
+                    result = await self.client.get_output()
+                    await self._process(result)
+            except asyncio.CancelledError:
+                raise
+            except EngineDeadError as exc:
+                if await self._recover(exc):
+                    continue
+                self._on_dead(exc)
+            except Exception as exc:
+                logger.exception("output handler failed")
+                self._on_dead(EngineDeadError(f"engine output handling failed: {exc}"))
+            return
+
+    async def _recover(self, error: EngineDeadError) -> bool:
+        """Replace a dead core and resume every request in flight on the new one.
+
+        Requests that arrive meanwhile wait in the output processor and go with
+        them; aborted ones are simply no longer there. A core that dies again
+        during the replay lands here again, with the output streamed since.
+        """
+        supervisor = self.supervisor
+        if supervisor is None or self._closed:
+            return False
+        old = self.client
+        client = await supervisor.restart(str(error), self._count_restart)
+        old.shutdown()  # its process is gone; this frees its sockets
+        if client is None:
+            return False
+        if self._closed:
+            client.shutdown()
+            return False
+        self.client = client
+        resumed = self.resumable_requests()
+        logger.warning(
+            "engine core restarted (pid %s); resuming %d requests",
+            client.engine_core_pid,
+            len(resumed),
+        )
+        client.add_requests(resumed)
+        return True
+
+    def resumable_requests(
+        self, core_request_ids: Collection[str] | None = None
+    ) -> list[EngineCoreRequest]:
+        """In-flight requests (those of ``core_request_ids``, e.g. a dead data-parallel
+        core's) as requests that continue after their output so far on another core."""
+        return [resumed_request(r) for r in self.output_processor.in_flight(core_request_ids)]
+
+    def _count_restart(self) -> None:
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(None, IterationStats(num_engine_restarts=1))
 
     async def _process(self, result: CoreOutputs) -> None:
         outputs = result.outputs

@@ -155,6 +155,7 @@ class EngineCore:
                 arrival_time=request.arrival_time,
                 priority=request.priority,
                 lora_request=request.lora_request,
+                prior_output_token_ids=request.prior_output_token_ids,
             )
         )
 

@@ -16,7 +16,12 @@ from tokenloom.sampling_params import SamplingParams
 
 
 class EngineCoreRequest(msgspec.Struct, tag=True):
-    """A tokenized, validated request, ready for the scheduler."""
+    """A tokenized, validated request, ready for the scheduler.
+
+    ``prior_output_token_ids``: tokens an earlier engine core already produced
+    for it (crash recovery, ``tokenloom.engine.recovery``); the core recomputes
+    them like a preemption and continues after them.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -25,6 +30,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     arrival_time: float
     priority: int = 0
     lora_request: LoRARequest | None = None
+    prior_output_token_ids: list[int] = []
 
 
 class AbortRequests(msgspec.Struct, tag=True):

@@ -12,12 +12,13 @@ core. Latencies for ``IterationStats`` are measured here too.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.engine.messages import EngineCoreRequest
+from tokenloom.engine.recovery import InFlight
 from tokenloom.metrics.stats import FinishedRequestStats, IterationStats
 from tokenloom.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprobs
 from tokenloom.request import FinishReason
@@ -100,6 +101,7 @@ class _SequenceState:
         params = request.sampling_params
         self.parent = parent
         self.index = index
+        self.request = request  # resent, with the output so far, if its core dies
         self.request_id = request.request_id
         self.want_logprobs = params.logprobs is not None
         self.include_stop = params.include_stop_str_in_output
@@ -274,6 +276,17 @@ class OutputProcessor:
             if parent.collector is not None and aborted:
                 parent.collector.put(parent.make_output(aborted))
         return core_ids
+
+    def in_flight(self, core_request_ids: Collection[str] | None = None) -> list[InFlight]:
+        """Unfinished sequences (those of ``core_request_ids`` only, if given), in arrival
+        order, with the tokens streamed so far: what a dead core's successor must resume."""
+        sequences = self._sequences
+        if core_request_ids is not None:
+            wanted = [sequences.get(i) for i in core_request_ids]
+            found = [s for s in wanted if s is not None]
+        else:
+            found = list(sequences.values())
+        return [InFlight(s.request, list(s.token_ids)) for s in found if not s.finished]
 
     def propagate_error(self, error: BaseException) -> None:
         """The engine died: every waiting consumer gets ``error``."""

@@ -69,6 +69,11 @@ class EngineClient(Protocol):
     @property
     def dead_error(self) -> EngineDeadError: ...
 
+    @property
+    def restarting(self) -> bool:
+        """True while a crashed engine core restarts: degraded, not dead."""
+        ...
+
     async def check_health(self) -> None:
         """Raise ``EngineDeadError`` when the engine cannot serve."""
         ...

@@ -79,6 +79,9 @@ class PrometheusStatLogger:
         )
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the cache.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
+        self.engine_restarts = counter(
+            "engine_restarts", "Engine core start attempts after a crash (crash recovery)."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed (prefill).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.request_success = counter(
@@ -157,6 +160,7 @@ class PrometheusStatLogger:
             self.prefix_cache_queries,
             self.prefix_cache_hits,
             self.num_preemptions,
+            self.engine_restarts,
             self.prompt_tokens,
             self.generation_tokens,
             self.structured_requests,
@@ -194,6 +198,8 @@ class PrometheusStatLogger:
                 compile_time.observe(seconds)
         if iteration_stats is None:
             return
+        if iteration_stats.num_engine_restarts:
+            self.engine_restarts.labels(*name).inc(iteration_stats.num_engine_restarts)
         self.prompt_tokens.labels(*name).inc(iteration_stats.num_prompt_tokens)
         self.generation_tokens.labels(*name).inc(iteration_stats.num_generation_tokens)
         ttft = self.time_to_first_token.labels(*name)

@@ -46,6 +46,8 @@ class IterationStats:
     time_to_first_tokens_iter: list[float] = field(default_factory=list)
     inter_token_latencies_iter: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # Engine core start attempts after a crash (crash recovery).
+    num_engine_restarts: int = 0
 
 
 @runtime_checkable

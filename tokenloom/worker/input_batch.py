@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.worker.sampler import skip_draws
 
 _SEED_MASK = (1 << 64) - 1
 
@@ -102,8 +103,10 @@ class InputBatch:
     ) -> int:
         """Place a request in the lowest free slot; returns the slot.
 
-        ``generator`` continues a resumed request's random stream; a new seeded
-        request gets a fresh one from ``sampling_params.seed``.
+        ``generator`` continues a preempted request's random stream; a new seeded
+        request gets a fresh one from ``sampling_params.seed``, advanced past the
+        draws of its ``output_token_ids`` when it brings some (a request resumed
+        after an engine crash), so its stream continues where it stopped.
         ``stopping_token_ids`` are ``Request.stopping_token_ids`` (see
         :func:`tokenloom.request.stopping_token_ids`), banned until min_tokens.
         """
@@ -152,6 +155,7 @@ class InputBatch:
         if generator is None and sp.seed is not None and sp.temperature > 0:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(sp.seed & _SEED_MASK)
+            skip_draws(generator, len(outputs))
         if generator is not None:
             self.generators[slot] = generator
         return slot

@@ -128,6 +128,18 @@ def draw_uniform(
     return u
 
 
+def skip_draws(generator: torch.Generator, num_draws: int) -> None:
+    """Advance a seeded row's generator past ``num_draws`` sampled positions.
+
+    ``draw_uniform`` takes exactly one draw per sampled position of a seeded
+    row, so a request resumed with ``num_draws`` outputs (crash recovery)
+    continues with the draws it would have made had it never stopped. The
+    draws are taken one by one, as ``draw_uniform`` takes them.
+    """
+    for _ in range(num_draws):
+        torch.rand((), dtype=torch.float64, device=generator.device, generator=generator)
+
+
 @dataclass
 class RawLogprobs:
     """log_softmax of the raw logits of the rows that asked, taken before any change."""

@@ -63,6 +63,7 @@ def apply_deltas(
             new.sampling_params,
             new.block_ids,
             new.num_computed_tokens,
+            output_token_ids=new.output_token_ids,
             stopping_token_ids=stop_ids,
         )
     cached = scheduler_output.scheduled_cached_reqs

@@ -26,6 +26,8 @@ class NewRequestData:
     # None (a hand-built record): the runner derives them with its own EOS id.
     stopping_token_ids: frozenset[int] | None = None
     lora_request: LoRARequest | None = None
+    # Output a crashed engine core already produced (a resumed request), else empty.
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

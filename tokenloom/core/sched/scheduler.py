@@ -416,6 +416,7 @@ class Scheduler(SchedulerInterface):
                         num_computed_tokens=num_cached,
                         stopping_token_ids=request.stopping_token_ids,
                         lora_request=request.lora_request,
+                        output_token_ids=list(request.output_token_ids),
                     ),
                     num_new,
                 )
@@ -435,7 +436,7 @@ class Scheduler(SchedulerInterface):
     @staticmethod
     def _grammar_ready(request: Request) -> bool | None:
         """True (and WAITING now) once the grammar compiled, False while it compiles,
-        None when the compile failed."""
+        None when the compile failed (or refused the output a resumed request brings)."""
         structured = request.structured_output_request
         assert structured is not None
         if not structured.is_ready():
@@ -443,6 +444,14 @@ class Scheduler(SchedulerInterface):
         if structured.error is not None:
             logger.error("request %s: %s", request.request_id, structured.error)
             return None
+        prior = request.output_token_ids
+        if prior and structured.grammar is not None:
+            # A request resumed after an engine crash: its grammar state follows its output.
+            if not structured.grammar.accept_tokens(prior):
+                logger.error(
+                    "request %s: the grammar refused its resumed output", request.request_id
+                )
+                return None
         request.status = _WAITING
         return True
 

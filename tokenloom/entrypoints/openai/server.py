@@ -207,11 +207,16 @@ def build_app(
         "/health",
         response_class=Response,
         responses={
-            200: {"description": "The engine is serving (empty body)."},
+            200: {
+                "description": "The engine is serving (empty body), or degraded while a "
+                'crashed engine core restarts (`{"status": "degraded"}`; requests wait).'
+            },
             503: {"model": ErrorResponse, "description": "The engine is dead."},
         },
     )
     async def health() -> Response:
+        if engine.restarting:
+            return JSONResponse({"status": "degraded"}, status_code=200)
         try:
             await asyncio.wait_for(engine.check_health(), HEALTH_TIMEOUT_S)
         except (EngineDeadError, asyncio.TimeoutError) as exc:
