@@ -16,6 +16,7 @@ from tokenloom.config import (
     CacheConfig,
     LoRAConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -75,6 +76,8 @@ class EngineArgs:
     max_logprobs: int = 20
     # vLLM's speculative_config: a dict, its JSON text, or a SpeculativeConfig (None: off).
     speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None
+    # Tensor parallelism: ranks (worker processes) that split every layer.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -138,6 +141,7 @@ class EngineArgs:
                 device=self.device,
                 seed=self.seed,
                 revision=self.revision,
+                parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             )
             cache_config = CacheConfig(
                 block_size=self.block_size,
@@ -273,6 +277,14 @@ class EngineArgs:
             type=int,
             default=d.max_logprobs,
             help="most top logprobs a request may ask for",
+        )
+        group.add_argument(
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            default=d.tensor_parallel_size,
+            help="worker processes that split every layer (torch.distributed: gloo on CPU, "
+            "NCCL on CUDA)",
         )
         return parser
 

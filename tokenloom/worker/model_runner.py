@@ -14,7 +14,7 @@ proposes the next drafts, which the engine core collects with
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import psutil
@@ -45,6 +45,9 @@ from tokenloom.worker.step_inputs import (
     prepare_step,
 )
 
+if TYPE_CHECKING:
+    from tokenloom.distributed.shard import TPShard
+
 
 class ModelRunner:
     """Public attributes: ``model``, ``arch``, ``dtype``, ``device``, ``max_model_len``,
@@ -57,6 +60,10 @@ class ModelRunner:
     ``req_id_to_index`` of the output is rebuilt only when the order of
     ``req_ids`` changed since the previous step (steady decoding keeps it), so
     consecutive outputs may share one mapping object: treat it as read-only.
+
+    With ``shard`` it is one tensor-parallel rank (``distributed.worker``): the
+    model and KV cache hold the rank's heads, the ranks agree on one block
+    count, and every rank samples the same tokens from the gathered logits.
     """
 
     def __init__(
@@ -65,6 +72,7 @@ class ModelRunner:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         lora_config: LoRAConfig | None = None,
+        shard: TPShard | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -74,7 +82,7 @@ class ModelRunner:
             keep_freed_memory()
             bind_threads_to_cores()
 
-        loaded = load_model(model_config)
+        loaded = load_model(model_config, shard)
         self.model = cast(CausalLM, loaded.model)
         self.arch = loaded.arch
         self.dtype = loaded.dtype
@@ -82,8 +90,12 @@ class ModelRunner:
         self.model_path = loaded.path
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.arch)
         self.num_blocks = self._num_kv_blocks()
+        if shard is not None:
+            from tokenloom.distributed.communication import all_reduce_min
+
+            self.num_blocks = all_reduce_min(self.num_blocks, self.device)
         self.kv_caches = allocate_kv_caches(
-            self.arch, self.num_blocks, self.block_size, self.dtype, self.device
+            self.model.arch, self.num_blocks, self.block_size, self.dtype, self.device
         )
         self.input_batch = InputBatch(
             max_num_seqs=scheduler_config.max_num_seqs,
@@ -126,7 +138,7 @@ class ModelRunner:
             if configured < 2:
                 raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {configured}")
             return configured
-        per_block = kv_cache_bytes_per_block(self.arch, self.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(self.model.arch, self.block_size, self.dtype)
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
         else:
