@@ -225,3 +225,26 @@ def test_unsupported_combinations_are_refused_at_start(
         EngineCore.from_config(
             model_config(default_model_path, tp), CacheConfig(num_blocks=16), scheduler, **kwargs
         )
+
+
+def test_tp2_loads_hf_safetensors_shards(default_hf_model_dir: Path) -> None:
+    """The same model as a Hugging Face directory: safetensors tensors sliced per rank."""
+    from tokenloom.engine.llm import LLM
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    texts = {}
+    for tp in (1, 2):
+        llm = LLM(
+            str(default_hf_model_dir),
+            dtype="float32",
+            num_blocks=32,
+            tensor_parallel_size=tp,
+            log_stats=False,
+        )
+        try:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.client.shutdown()
+        texts[tp] = [o.outputs[0].token_ids for o in outputs]
+    assert texts[2] == texts[1]
