@@ -68,6 +68,16 @@ def test_greedy_completions_match_tp1_and_workers_stop_with_the_server(
                 extra_body={"ignore_eos": True},
             )
             assert "".join(chunk.choices[0].text for chunk in stream) == text
+        # A structured request: its grammar bitmask travels to the workers with the step.
+        choices = ["Lisbon", "Madrid", "Rome"]
+        chat = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "What is the capital of Spain?"}],
+            max_tokens=8,
+            temperature=0,
+            extra_body={"structured_outputs": {"choice": choices}},
+        )
+        assert chat.choices[0].message.content in choices
 
     workers = _workers(server)
     assert len(workers) == 2
