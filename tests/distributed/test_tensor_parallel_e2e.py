@@ -5,6 +5,7 @@ workers must exit on shutdown and when the engine process dies."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -161,12 +162,13 @@ def _live(pids: list[int]) -> list[int]:
 
 
 def test_a_dead_worker_fails_the_step_with_its_rank(default_model_path: Path) -> None:
-    core = EngineCore.from_config(
-        model_config(default_model_path, 2), CacheConfig(num_blocks=16), SchedulerConfig()
-    )
+    # The cache sized from memory this time: the ranks agree on one block count.
+    config = dataclasses.replace(model_config(default_model_path, 2), max_model_len=256)
+    core = EngineCore.from_config(config, CacheConfig(memory_fraction=0.01), SchedulerConfig())
     executor = core.executor
     assert executor is not None
     try:
+        assert core.num_blocks == executor.num_blocks >= 2
         os.kill(executor.worker_pids[1], signal.SIGKILL)
         params = SamplingParams(temperature=0.0, max_tokens=4)
         core.add_request(EngineCoreRequest("r", [1, 2, 3], params, None, time.time()))

@@ -138,7 +138,10 @@ class ModelRunner:
             if configured < 2:
                 raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {configured}")
             return configured
-        per_block = kv_cache_bytes_per_block(self.model.arch, self.block_size, self.dtype)
+        # A tensor-parallel rank's blocks hold only its KV heads; but ranks on one CPU
+        # share its memory, so there the budget is sized for every head.
+        arch = self.arch if self.device.type == "cpu" else self.model.arch
+        per_block = kv_cache_bytes_per_block(arch, self.block_size, self.dtype)
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
         else:
