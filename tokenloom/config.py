@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
@@ -85,6 +85,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     device: str = "cpu"
     seed: int = 0
+    # How the model is spread over processes (only tensor_parallel_size concerns
+    # the engine core; it travels here to the core's process with the model).
+    parallel_config: ParallelConfig = field(default_factory=lambda: ParallelConfig())
 
     def __post_init__(self) -> None:
         _require(

@@ -88,6 +88,8 @@ class EngineArgs:
     # Crash recovery (RecoveryConfig): engine core restarts and the wait before them.
     max_engine_restarts: int = 3
     engine_restart_backoff_s: float = 1.0
+    # Tensor parallelism: ranks (worker processes) that split every layer.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -154,6 +156,7 @@ class EngineArgs:
                 device=self.device,
                 seed=self.seed,
                 revision=self.revision,
+                parallel_config=self.create_parallel_config(),
             )
             cache_config = CacheConfig(
                 block_size=self.block_size,
@@ -184,7 +187,9 @@ class EngineArgs:
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
 
     def create_parallel_config(self) -> ParallelConfig:
+        """Tensor parallel ranks per core, data parallel cores and their backend."""
         return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
             data_parallel_size=self.data_parallel_size,
             data_parallel_backend=self.data_parallel_backend,  # type: ignore[arg-type]
         )
@@ -350,6 +355,14 @@ class EngineArgs:
             type=float,
             default=d.engine_restart_backoff_s,
             help="seconds before the first restart, doubled for each later one (max 30)",
+        )
+        group.add_argument(
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            default=d.tensor_parallel_size,
+            help="worker processes that split every layer (torch.distributed: gloo on CPU, "
+            "NCCL on CUDA)",
         )
         return parser
 

@@ -14,7 +14,7 @@ import dataclasses
 import gc
 import logging
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tokenloom.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from tokenloom.core.kv_cache.events import KVCacheEvent
@@ -24,6 +24,9 @@ from tokenloom.engine.messages import CoreOutputs, EngineCoreRequest
 from tokenloom.outputs import EngineCoreOutputs, ModelRunnerOutput
 from tokenloom.request import Request, RequestStatus
 from tokenloom.structured_output.manager import GrammarOutput, StructuredOutputManager
+
+if TYPE_CHECKING:
+    from tokenloom.distributed.executor import MultiprocExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +106,8 @@ class EngineCore:
         self._first_scheduled: dict[str, float] = {}
         # Tokens the latest step scheduled (0: it could make no progress).
         self.last_num_scheduled_tokens = 0
+        # Tensor-parallel workers, stopped with the core (set by ``from_config``).
+        self.executor: MultiprocExecutor | None = None
 
     @classmethod
     def from_config(
@@ -112,12 +117,19 @@ class EngineCore:
         scheduler_config: SchedulerConfig,
         lora_config: LoRAConfig | None = None,
     ) -> EngineCore:
-        """The core over the real ``ModelRunner`` (loads the weights; imports torch)."""
+        """The core over the real ``ModelRunner`` (loads the weights; imports torch), or
+        over a ``MultiprocExecutor`` of worker processes when
+        ``model_config.parallel_config.tensor_parallel_size`` > 1."""
+        from tokenloom.distributed.executor import MultiprocExecutor
         from tokenloom.model.tokenizer import load_tokenizer
         from tokenloom.worker.model_runner import ModelRunner
 
         started = time.monotonic()
-        runner = ModelRunner(model_config, cache_config, scheduler_config, lora_config)
+        runner: ModelRunner | MultiprocExecutor
+        if model_config.parallel_config.tensor_parallel_size > 1:
+            runner = MultiprocExecutor(model_config, cache_config, scheduler_config, lora_config)
+        else:
+            runner = ModelRunner(model_config, cache_config, scheduler_config, lora_config)
         model_path = runner.model_path
         structured = StructuredOutputManager(
             # Loaded on the first structured request, in the compile thread.
@@ -125,13 +137,21 @@ class EngineCore:
             runner.arch.vocab_size,
             runner.eos_token_ids,
         )
-        core = cls(
-            runner,
-            cache_config,
-            scheduler_config,
-            lora_config,
-            structured_output_manager=structured,
-        )
+        try:
+            core = cls(
+                runner,
+                cache_config,
+                scheduler_config,
+                lora_config,
+                structured_output_manager=structured,
+            )
+        except BaseException:
+            structured.shutdown()
+            if isinstance(runner, MultiprocExecutor):
+                runner.shutdown()
+            raise
+        if isinstance(runner, MultiprocExecutor):
+            core.executor = runner
         # Everything built so far lives as long as the engine: keep it out of the
         # collector's full passes, which otherwise walk it between steps.
         gc.collect()
@@ -231,3 +251,5 @@ class EngineCore:
         self.scheduler.shutdown()
         if self.structured_output_manager is not None:
             self.structured_output_manager.shutdown()
+        if self.executor is not None:
+            self.executor.shutdown()

@@ -162,7 +162,8 @@ class CausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, dtype=dtype)
-        self.logits_head: PackedLinear | None = None
+        # The packed head, or tensor parallelism's gathering one (distributed.parallel_layers).
+        self.logits_head: nn.Module | None = None
 
     def init_buffers(self, device: torch.device, dtype: torch.dtype) -> None:
         """Compute non-weight state (the RoPE table) once the model sits on its device."""

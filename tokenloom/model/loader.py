@@ -15,6 +15,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from tokenloom.model.gguf_loader import iter_gguf_weights
 from tokenloom.model.packed_linear import prepacking_available
 from tokenloom.model.paths import resolve_model_path
 from tokenloom.model.registry import model_class
+
+if TYPE_CHECKING:
+    from tokenloom.distributed.shard import TPShard
 
 
 @dataclass
@@ -53,17 +57,25 @@ def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, handle.get_tensor(name)
 
 
-def load_model(model_config: ModelConfig) -> LoadedModel:
-    """Load the weights named by ``model_config`` onto its device, ready for inference."""
+def load_model(model_config: ModelConfig, shard: TPShard | None = None) -> LoadedModel:
+    """Load the weights named by ``model_config`` onto its device, ready for inference.
+
+    With ``shard`` (a tensor-parallel rank) the model holds only the rank's share
+    (``model.arch`` is the local one, ``LoadedModel.arch`` the whole model's) and
+    talks to the other ranks where it must (``distributed.parallel_layers``).
+    """
     path = resolve_model_path(model_config.model, model_config.revision)
     arch = load_arch_config(path)
     device = torch.device(model_config.device)
     dtype = resolve_dtype(model_config.dtype, model_config.device)
 
+    local_arch = arch if shard is None else shard.local_arch(arch)
     with torch.device("meta"):
-        model = model_class(arch)(arch, dtype)
+        model = model_class(arch)(local_arch, dtype)
     model.to_empty(device=device)
     weights = iter_gguf_weights(path, arch) if path.suffix == ".gguf" else _iter_safetensors(path)
+    if shard is not None:
+        weights = shard.slice_weights(weights, arch)
     filled = model.load_weights(weights)
     missing = sorted(set(dict(model.named_parameters())) - filled)
     if missing:
@@ -76,4 +88,8 @@ def load_model(model_config: ModelConfig) -> LoadedModel:
         model.prepack_weights()
     if layer_ops_available(device, dtype):
         model.use_fused_layer_ops()
+    if shard is not None:
+        from tokenloom.distributed.parallel_layers import parallelize
+
+        parallelize(model, shard, arch.vocab_size)
     return LoadedModel(model=model, arch=arch, dtype=dtype, device=device, path=path)

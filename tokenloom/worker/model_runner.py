@@ -15,7 +15,7 @@ proposes the next drafts, which the engine core collects with
 from __future__ import annotations
 
 import time
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import psutil
@@ -46,6 +46,9 @@ from tokenloom.worker.step_inputs import (
     prepare_step,
 )
 
+if TYPE_CHECKING:
+    from tokenloom.distributed.shard import TPShard
+
 
 class ModelRunner:
     """Public attributes: ``model``, ``arch``, ``dtype``, ``device``, ``max_model_len``,
@@ -58,6 +61,10 @@ class ModelRunner:
     ``req_id_to_index`` of the output is rebuilt only when the order of
     ``req_ids`` changed since the previous step (steady decoding keeps it), so
     consecutive outputs may share one mapping object: treat it as read-only.
+
+    With ``shard`` it is one tensor-parallel rank (``distributed.worker``): the
+    model and KV cache hold the rank's heads, the ranks agree on one block
+    count, and every rank samples the same tokens from the gathered logits.
     """
 
     def __init__(
@@ -66,6 +73,7 @@ class ModelRunner:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         lora_config: LoRAConfig | None = None,
+        shard: TPShard | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -75,7 +83,7 @@ class ModelRunner:
             keep_freed_memory()
             bind_threads_to_cores()
 
-        loaded = load_model(model_config)
+        loaded = load_model(model_config, shard)
         self.model = cast(CausalLM, loaded.model)
         self.arch = loaded.arch
         self.dtype = loaded.dtype
@@ -99,8 +107,12 @@ class ModelRunner:
                 generator,
             )
         self.num_blocks = self._num_kv_blocks()
+        if shard is not None:
+            from tokenloom.distributed.communication import all_reduce_min
+
+            self.num_blocks = all_reduce_min(self.num_blocks, self.device)
         self.kv_caches = allocate_kv_caches(
-            self.arch, self.num_blocks, self.block_size, self.dtype, self.device
+            self.model.arch, self.num_blocks, self.block_size, self.dtype, self.device
         )
         if self.speculator is not None:
             self.speculator.allocate_kv_cache(self.num_blocks)
@@ -133,7 +145,10 @@ class ModelRunner:
             if configured < 2:
                 raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {configured}")
             return configured
-        per_block = kv_cache_bytes_per_block(self.arch, self.block_size, self.dtype)
+        # A tensor-parallel rank's blocks hold only its KV heads; but ranks on one CPU
+        # share its memory, so there the budget is sized for every head.
+        arch = self.arch if self.device.type == "cpu" else self.model.arch
+        per_block = kv_cache_bytes_per_block(arch, self.block_size, self.dtype)
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
         else:
