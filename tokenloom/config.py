@@ -54,6 +54,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Share of free memory the KV cache may take when num_blocks is None.
     memory_fraction: float = 0.1
+    # dtype K/V are stored in (vLLM's name); "auto": the model's dtype. A 16-bit
+    # cache under a float32 model halves what decode attention reads.
+    cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
@@ -66,6 +69,11 @@ class CacheConfig:
             0.0 < self.memory_fraction <= 1.0,
             "memory_fraction",
             f"must be in (0, 1], got {self.memory_fraction}",
+        )
+        _require(
+            self.cache_dtype in ("auto", "float32", "bfloat16", "float16"),
+            "cache_dtype",
+            f"must be one of auto, float32, bfloat16, float16; got {self.cache_dtype!r}",
         )
 
 

@@ -22,7 +22,7 @@ from tokenloom.config import (
 from tokenloom.default_model import DEFAULT_MODEL_NAME
 
 # Argument name -> the config field that holds it, where the two differ.
-_RENAMED = {"kv_cache_memory_fraction": "memory_fraction"}
+_RENAMED = {"kv_cache_memory_fraction": "memory_fraction", "kv_cache_dtype": "cache_dtype"}
 _INT_FIELDS = (
     "block_size",
     "max_num_seqs",
@@ -75,6 +75,8 @@ class EngineArgs:
     max_logprobs: int = 20
     # vLLM's speculative_config: a dict, its JSON text, or a SpeculativeConfig (None: off).
     speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None
+    # dtype of the paged KV cache (vLLM's name): auto (the model's), float32, bfloat16, float16.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -144,6 +146,7 @@ class EngineArgs:
                 num_blocks=self.num_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
                 memory_fraction=float(self.kv_cache_memory_fraction),
+                cache_dtype=self.kv_cache_dtype,  # type: ignore[arg-type]
             )
             scheduler_config = SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -273,6 +276,12 @@ class EngineArgs:
             type=int,
             default=d.max_logprobs,
             help="most top logprobs a request may ask for",
+        )
+        group.add_argument(
+            "--kv-cache-dtype",
+            choices=["auto", "float32", "bfloat16", "float16"],
+            default=d.kv_cache_dtype,
+            help="dtype of the KV cache (auto: the model's); 16 bits halve what decoding reads",
         )
         return parser
 

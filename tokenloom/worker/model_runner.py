@@ -25,6 +25,7 @@ from tokenloom.core.sched.output import SchedulerOutput
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.attention import AttentionMetadata
 from tokenloom.model.cpu_kernels import bind_threads_to_cores, paged_attention_op
+from tokenloom.model.dtype import resolve_kv_cache_dtype
 from tokenloom.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.loader import load_model
@@ -47,7 +48,8 @@ from tokenloom.worker.step_inputs import (
 
 
 class ModelRunner:
-    """Public attributes: ``model``, ``arch``, ``dtype``, ``device``, ``max_model_len``,
+    """Public attributes: ``model``, ``arch``, ``dtype``, ``kv_cache_dtype``, ``device``,
+    ``max_model_len``,
     ``num_blocks`` (including the reserved null block 0), ``kv_caches``, ``input_batch``,
     ``eos_token_ids``.
 
@@ -81,9 +83,10 @@ class ModelRunner:
         self.device = loaded.device
         self.model_path = loaded.path
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.arch)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(cache_config.cache_dtype, self.dtype)
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = allocate_kv_caches(
-            self.arch, self.num_blocks, self.block_size, self.dtype, self.device
+            self.arch, self.num_blocks, self.block_size, self.kv_cache_dtype, self.device
         )
         self.input_batch = InputBatch(
             max_num_seqs=scheduler_config.max_num_seqs,
@@ -126,7 +129,7 @@ class ModelRunner:
             if configured < 2:
                 raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {configured}")
             return configured
-        per_block = kv_cache_bytes_per_block(self.arch, self.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(self.arch, self.block_size, self.kv_cache_dtype)
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
         else:
