@@ -2,11 +2,12 @@
 // plus the KV-cache write that precedes it.
 //
 // Reads each request's K/V in place through its block table: nothing is
-// gathered or padded. One task is one query token; for each KV group it scores
-// the token's visible context for that group's query heads together (one K/V
-// load feeds every head), applies a softmax and sums V. Tasks are handed out
+// gathered or padded. One unit of work is one query token and one KV group: it
+// scores the token's visible context for that group's query heads together (one
+// K/V load feeds every head), applies a softmax and sums V. Units are handed out
 // dynamically to torch's intra-op threads because context lengths differ
-// widely within a batch. Head sizes are compiled in (see `paged_attention`).
+// widely within a batch; a small batch runs on the calling thread alone. Head
+// sizes are compiled in (see `paged_attention`).
 //
 // Layouts (contiguous; q and out float32, the caches float32, bfloat16 or
 // float16: a 16-bit cache is converted to float32 as it is loaded, which halves
@@ -93,6 +94,7 @@ struct Problem {
   const std::vector<Task>* tasks;
   int64_t num_heads, num_kv_heads, group, block_size, max_blocks, longest;
   float scale;
+  int64_t work;  // multiply-adds of the whole batch (scores and value sums)
 };
 
 // Scores of 16 consecutive keys for HEADS query heads of one KV group. K blocks
@@ -252,41 +254,54 @@ void attend_heads(const Problem<T>& p, const Task& task, int64_t head, Scratch& 
   value_sum.store_scaled(p.out + (task.token * p.num_heads + head) * D, inv_denominators);
 }
 
-// Heads of a KV group are taken together, up to what fits in the registers.
+// One query token against KV group g; its heads are taken together, up to what
+// fits in the registers.
 template <int64_t D, typename T>
-void attend(const Problem<T>& p, const Task& task, Scratch& scratch) {
+void attend(const Problem<T>& p, const Task& task, int64_t g, Scratch& scratch) {
   constexpr int64_t max_heads = std::max<int64_t>(1, std::min<int64_t>(4, 16 / (D / kLanes)));
+  const int64_t first = g * p.group, end = (g + 1) * p.group;
   const float* q = p.q + task.token * p.num_heads * D;
-  for (int64_t i = 0; i < p.num_heads * D; ++i) scratch.q[i] = q[i] * p.scale;
-  for (int64_t g = 0; g < p.num_kv_heads; ++g) {
-    const int64_t end = (g + 1) * p.group;
-    for (int64_t head = g * p.group; head < end; head += max_heads) {
-      switch (std::min(max_heads, end - head)) {
-        case 1: attend_heads<D, 1, T>(p, task, head, scratch); break;
-        case 2: attend_heads<D, 2, T>(p, task, head, scratch); break;
-        case 3: attend_heads<D, 3, T>(p, task, head, scratch); break;
-        default: attend_heads<D, 4, T>(p, task, head, scratch); break;
-      }
+  for (int64_t i = first * D; i < end * D; ++i) scratch.q[i] = q[i] * p.scale;
+  for (int64_t head = first; head < end; head += max_heads) {
+    switch (std::min(max_heads, end - head)) {
+      case 1: attend_heads<D, 1, T>(p, task, head, scratch); break;
+      case 2: attend_heads<D, 2, T>(p, task, head, scratch); break;
+      case 3: attend_heads<D, 3, T>(p, task, head, scratch); break;
+      default: attend_heads<D, 4, T>(p, task, head, scratch); break;
     }
   }
 }
 
-// Tasks are handed out dynamically to torch's intra-op threads because context
-// lengths differ widely within a batch.
+// Below this many multiply-adds per thread, waking another thread (a fork and a
+// join per layer) costs more than it saves: a batch-1 decode over a short
+// context runs on the calling thread alone.
+constexpr int64_t kMinWorkPerThread = 1 << 18;
+
+// Work units (query token, KV group) are handed out dynamically to torch's
+// intra-op threads because context lengths differ widely within a batch; one
+// token's groups can go to different threads, so a single long decode uses them all.
 template <int64_t D, typename T>
 void run(const Problem<T>& p) {
   const std::vector<Task>& tasks = *p.tasks;
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t num_units = static_cast<int64_t>(tasks.size()) * p.num_kv_heads;
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  const auto work = [&](int64_t, int64_t) {
     Scratch scratch;
     // A tile starting at the last key writes kLanes scores.
     scratch.stride = (p.longest + 2 * kLanes - 1) / kLanes * kLanes;
     scratch.q.resize(p.num_heads * D);
     scratch.scores.resize(p.num_heads * scratch.stride);
     scratch.tile.resize(D * kLanes);
-    for (int64_t t = next++; t < num_tasks; t = next++) attend<D, T>(p, tasks[t], scratch);
-  });
+    for (int64_t u = next++; u < num_units; u = next++)
+      attend<D, T>(p, tasks[u / p.num_kv_heads], u % p.num_kv_heads, scratch);
+  };
+  const int64_t threads = std::min<int64_t>(
+      {static_cast<int64_t>(at::get_num_threads()), num_units, p.work / kMinWorkPerThread});
+  if (threads <= 1) {
+    work(0, 1);
+  } else {
+    at::parallel_for(0, threads, 1, work);
+  }
 }
 
 template <typename T>
@@ -358,7 +373,7 @@ void paged_attention(
   const int32_t* lens = query_len.data_ptr<int32_t>();
   const int32_t* seqs = seq_lens.data_ptr<int32_t>();
   std::vector<Task> tasks;
-  int64_t longest = 0;
+  int64_t longest = 0, visible_keys = 0;
   const int32_t* table = block_table.data_ptr<int32_t>();
   for (int64_t r = 0; r < seq_lens.size(0); ++r) {
     TORCH_CHECK(lens[r] >= 1 && lens[r] <= seqs[r], "request ", r, ": bad query_len/seq_len");
@@ -375,13 +390,18 @@ void paged_attention(
       tasks.push_back({static_cast<int32_t>(r), starts[r] + i, seqs[r] - lens[r] + i + 1});
     }
     longest = std::max<int64_t>(longest, seqs[r]);
+    // Token i sees context - query_len + i + 1 keys.
+    visible_keys += static_cast<int64_t>(lens[r]) * (seqs[r] - lens[r]) +
+                    static_cast<int64_t>(lens[r]) * (lens[r] + 1) / 2;
   }
+  const int64_t work = 2 * visible_keys * num_heads * head_dim;
 
   with_cache_type(v_cache.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const Problem<T> problem{q.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                              out.data_ptr<float>(), table, rows, &tasks, num_heads, num_kv_heads,
-                             group, block_size, max_blocks, longest, static_cast<float>(scale)};
+                             group, block_size, max_blocks, longest, static_cast<float>(scale),
+                             work};
     run_head_dim(problem, head_dim);
   });
 }
