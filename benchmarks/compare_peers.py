@@ -405,9 +405,7 @@ def single_stream_section(args: argparse.Namespace, bars: list[tuple[str, str, f
         if busy
         else ""
     )
-    return (
-        note
-        + f"""
+    return f"""
 ## Single stream (batch 1)
 
 One request at a time, a {prompt_len}-token prompt: decode ms/token = (time for
@@ -420,8 +418,7 @@ engine's processes included, the Python driver too).
 | engine | weights | decode ms/token | own | prompt tok/s | RSS MB | runs | others |
 |---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
-"""
-    )
+{note}"""
 
 
 def write_report(
