@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.config import (
+    QUANTIZATION_METHODS,
     CacheConfig,
     LoRAConfig,
     ModelConfig,
@@ -75,6 +76,9 @@ class EngineArgs:
     max_logprobs: int = 20
     # vLLM's speculative_config: a dict, its JSON text, or a SpeculativeConfig (None: off).
     speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None
+    # vLLM's name: None (a GGUF runs quantized unless dtype names a float type),
+    # "gguf", or "int8"/"int4" to quantize a float checkpoint at load time.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -138,6 +142,7 @@ class EngineArgs:
                 device=self.device,
                 seed=self.seed,
                 revision=self.revision,
+                quantization=self.quantization,  # type: ignore[arg-type]
             )
             cache_config = CacheConfig(
                 block_size=self.block_size,
@@ -267,6 +272,14 @@ class EngineArgs:
             default=d.chat_template,
             help="default chat template: a Jinja file, or the template itself "
             "(default: the model's own)",
+        )
+        group.add_argument(
+            "--quantization",
+            choices=list(QUANTIZATION_METHODS),
+            default=d.quantization,
+            help="run on quantized weights: gguf (a .gguf file's own, the default for GGUF "
+            "files unless --dtype names a float type), int8 or int4 (quantize a float "
+            "checkpoint at load time)",
         )
         group.add_argument(
             "--max-logprobs",
