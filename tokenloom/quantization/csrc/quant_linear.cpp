@@ -15,7 +15,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "../../model/csrc/vec.h"
@@ -24,11 +27,37 @@ namespace tokenloom {
 namespace {
 
 typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
-typedef int8_t i8x16 __attribute__((vector_size(16), aligned(1)));
+
+// Byte lanes to floats through 32-bit integers: a direct conversion compiles
+// to one scalar conversion per lane.
+template <typename Bytes>
+inline vec to_float(Bytes bytes) {
+  return __builtin_convertvector(__builtin_convertvector(bytes, ivec), vec);
+}
+
+// Sixteen int8 codes to floats. GCC's generic conversion of signed bytes is
+// scalar, so the x86 paths use the sign-extending loads directly.
+inline vec load_i8(const int8_t* p) {
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  return reinterpret_cast<const vec&>(f);
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256 halves[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
+  vec v;
+  std::memcpy(&v, halves, sizeof(v));
+  return v;
+#else
+  vec v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+#endif
+}
 
 constexpr int64_t kRowBlock = 4;    // output rows per register block
 constexpr int64_t kSmallRows = 8;   // activation rows served by the dot-product path
-constexpr int64_t kTileRows = 64;   // output rows per GEMM tile
+constexpr int64_t kTileRows = 256;  // output rows per GEMM tile
 
 struct QuantWeight {
   int64_t bits;
@@ -47,19 +76,20 @@ struct QuantWeight {
     if (bits == 4) {
       for (int64_t b = 0; b < k_pad / 32; ++b) {
         const u8x16 bytes = *reinterpret_cast<const u8x16*>(q_row + 16 * b);
-        const vec lo = __builtin_convertvector(bytes & 15, vec);
-        const vec hi = __builtin_convertvector(bytes >> 4, vec);
+        const vec lo = to_float(bytes & 15);
+        const vec hi = to_float(bytes >> 4);
         store(dst + 32 * b, lo * s[b] + m[b]);
         store(dst + 32 * b + 16, hi * s[b] + m[b]);
       }
       return;
     }
-    const int64_t per_group = group / 16;
-    for (int64_t c = 0; c < k_pad / 16; ++c) {
-      const i8x16 values = *reinterpret_cast<const i8x16*>(q_row + 16 * c);
-      const int64_t g = c / per_group;
-      const vec w = __builtin_convertvector(values, vec) * s[g];
-      store(dst + 16 * c, m ? w + m[g] : w);
+    const int8_t* codes = reinterpret_cast<const int8_t*>(q_row);
+    for (int64_t g = 0; g < k_pad / group; ++g) {
+      const float scale = s[g];
+      const float offset = m ? m[g] : 0.0f;
+      for (int64_t c = g * group; c < (g + 1) * group; c += 16) {
+        store(dst + c, load_i8(codes + c) * scale + offset);
+      }
     }
   }
 };
