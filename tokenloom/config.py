@@ -77,6 +77,9 @@ class CacheConfig:
         )
 
 
+QUANTIZATION_METHODS = ("gguf", "int8", "int4")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which weights to run and how.
@@ -93,8 +96,17 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     device: str = "cpu"
     seed: int = 0
+    # vLLM's name. None: a GGUF file runs on its quantized weights unless ``dtype``
+    # names a float type (then it is dequantized); "gguf" insists on that;
+    # "int8"/"int4" quantize a float checkpoint at load time (tokenloom.quantization).
+    quantization: Literal["gguf", "int8", "int4"] | None = None
 
     def __post_init__(self) -> None:
+        _require(
+            self.quantization in (None, *QUANTIZATION_METHODS),
+            "quantization",
+            f"must be None or one of {', '.join(QUANTIZATION_METHODS)}; got {self.quantization!r}",
+        )
         _require(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
             "dtype",

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.config import (
+    QUANTIZATION_METHODS,
     CacheConfig,
     LoRAConfig,
     ModelConfig,
@@ -77,6 +78,9 @@ class EngineArgs:
     speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None
     # dtype of the paged KV cache (vLLM's name): auto (the model's), float32, bfloat16, float16.
     kv_cache_dtype: str = "auto"
+    # vLLM's name: None (a GGUF runs quantized unless dtype names a float type),
+    # "gguf", or "int8"/"int4" to quantize a float checkpoint at load time.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -140,6 +144,7 @@ class EngineArgs:
                 device=self.device,
                 seed=self.seed,
                 revision=self.revision,
+                quantization=self.quantization,  # type: ignore[arg-type]
             )
             cache_config = CacheConfig(
                 block_size=self.block_size,
@@ -270,6 +275,14 @@ class EngineArgs:
             default=d.chat_template,
             help="default chat template: a Jinja file, or the template itself "
             "(default: the model's own)",
+        )
+        group.add_argument(
+            "--quantization",
+            choices=list(QUANTIZATION_METHODS),
+            default=d.quantization,
+            help="run on quantized weights: gguf (a .gguf file's own, the default for GGUF "
+            "files unless --dtype names a float type), int8 or int4 (quantize a float "
+            "checkpoint at load time)",
         )
         group.add_argument(
             "--max-logprobs",
