@@ -254,6 +254,8 @@ def run_engines(
         )
         for w, r in collect(data, labels.get(eng, eng), workloads, ncpu).items():
             found[(r.engine, w)] = r
+        if data.get("single"):
+            SINGLE[f"{labels.get(eng, eng)} [earlier run]"] = data
 
     def add(data: dict | None, label: str) -> None:
         if data is not None:
