@@ -388,6 +388,8 @@ def single_stream_section(args: argparse.Namespace, bars: list[tuple[str, str, f
     for label, data in SINGLE.items():
         runs = data["single"]
         decode = statistics.median(r["decode_ms_per_token"] for r in runs)
+        cpu = [r["decode_cpu_ms_per_token"] for r in runs if "decode_cpu_ms_per_token" in r]
+        cpu_text = f"{statistics.median(cpu):.1f}" if cpu else "-"
         prompt = statistics.median(r["prompt_tok_s"] for r in runs)
         others = _single_busy(data)
         own = data.get("config", {}).get("own_decode_ms_per_token") or []
@@ -395,7 +397,7 @@ def single_stream_section(args: argparse.Namespace, bars: list[tuple[str, str, f
         config = data.get("config", {})
         weights = config.get("quantization") or config.get("dtype") or "GGUF as is"
         rows.append(
-            f"| {label} | {weights} | {decode:.1f} | {own_text} | {fmt_rate(prompt)} | "
+            f"| {label} | {weights} | {decode:.1f} | {cpu_text} | {own_text} | {fmt_rate(prompt)} | "
             f"{data.get('rss_mb', 0):,.0f} | {len(runs)} | {others:.0%} |"
         )
         bars.append((label, "single stream (decode tok/s)", 1e3 / decode))
@@ -414,11 +416,13 @@ One request at a time, a {prompt_len}-token prompt: decode ms/token = (time for
 {out_len} tokens - time for 1 token) / {int(out_len) - 1}, prompt tok/s = {prompt_len} / time for
 1 token (the prefill plus one sampling step), the same wall-clock arithmetic for
 every engine; median of the repeats. llama.cpp also reports its own decode time
-per token ("own"). RSS: the worker's whole process tree after the runs (the
+per token ("own"). CPU ms/token: the engine processes' own CPU time per decoded
+token (both cores: up to 2x wall on an idle machine), which moves less with
+other processes' load than wall time. RSS: the worker's whole process tree after the runs (the
 engine's processes included, the Python driver too).
 
-| engine | weights | decode ms/token | own | prompt tok/s | RSS MB | runs | others |
-|---|---|---|---|---|---|---|---|
+| engine | weights | decode ms/token | CPU ms/token | own | prompt tok/s | RSS MB | runs | others |
+|---|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 {note}"""
 

@@ -12,7 +12,7 @@ request], "cached_tokens", "own_cpu_s", "other_cpu_s", "busy_wait_s"}.
 Single stream (``--single PROMPT:OUT``): one request at a time, greedy. Each
 repeat times the same prompt with 1 output token (the prefill: prompt tok/s)
 and with OUT tokens; decode ms/token = (t_OUT - t_1) / (OUT - 1), the same
-arithmetic for every engine. ``rss_mb`` is the resident memory of the
+arithmetic for every engine, and the same from the engine's own CPU time. ``rss_mb`` is the resident memory of the
 worker's process tree (the engine's processes included) after the runs.
 """
 
@@ -187,11 +187,13 @@ def run_single(
     for rep in range(args.repeats):
         waited = wait_for_idle(args.idle_wait)
         with CpuMonitor() as mon:
-            t0 = time.perf_counter()
-            assert generate_one(prompt, 1) == 1
-            t1 = time.perf_counter()
-            produced = generate_one(prompt, out_len)
-            t2 = time.perf_counter()
+            with CpuMonitor() as first:
+                t0 = time.perf_counter()
+                assert generate_one(prompt, 1) == 1
+                t1 = time.perf_counter()
+            with CpuMonitor() as whole:
+                produced = generate_one(prompt, out_len)
+                t2 = time.perf_counter()
         if produced != out_len:
             raise RuntimeError(f"{engine} produced {produced} tokens, asked for {out_len}")
         run = {
@@ -203,6 +205,9 @@ def run_single(
             "prompt_tok_s": prompt_len / (t1 - t0),
             "other_cpu_s": mon.other_cpu_s,
             "busy_wait_s": waited,
+            # CPU time of the engine's own processes per decoded token: less sensitive
+            # to a crowded machine than wall time (spinning threads inflate it).
+            "decode_cpu_ms_per_token": (whole.own_cpu_s - first.own_cpu_s) / (out_len - 1) * 1e3,
         }
         runs.append(run)
         print(
