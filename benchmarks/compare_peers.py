@@ -534,7 +534,7 @@ busy machine than wall time, though spin-waiting threads inflate it.
 {single_text}
 {"![output tokens/s](" + Path(png).name + ")" if png else ""}
 
-{"Warnings:" + chr(10) + chr(10).join(warnings) if warnings else "No run was disturbed by more than 10% of the machine."}
+{"Warnings:" + chr(10) + chr(10).join(warnings) if warnings else "No workload run was disturbed by more than 10% of the machine." if rows else ""}
 
 ## Method
 
