@@ -46,6 +46,8 @@ from tokenloom.bench.datasets import (  # noqa: E402
 )
 
 ALL_ENGINES = ("tokenloom", "vllm", "hf", "llamacpp")
+# Single-stream results by engine label: the worker's JSON ("single", "rss_mb", "config").
+SINGLE: dict[str, dict[str, Any]] = {}
 BUSY_WARN_FRACTION = 0.10  # warn when others used >10% of the machine during a run
 COMMAND = ""  # this invocation, as recorded in the report and in each engine's results
 
@@ -105,6 +107,13 @@ def model_flops(cfg: dict[str, Any], reqs: list[BenchRequest], prefix_cached: in
 
 
 # ----------------------------------------------------------------------------- running peers
+
+
+def selected_workloads(args: argparse.Namespace, workloads: dict[str, list[Any]]) -> list[str]:
+    """``--workloads``: comma-separated names, "" for all, "none" for the single stream only."""
+    if args.workloads == "none":
+        return []
+    return [n for n in args.workloads.split(",") if n] if args.workloads else list(workloads)
 
 
 @dataclass
@@ -222,7 +231,8 @@ def run_engines(
     ncpu = os.cpu_count() or 1
     py = sys.executable
     common = ["--repeats", str(args.repeats), "--idle-wait", str(args.idle_wait)]
-    names = [n for n in args.workloads.split(",") if n] if args.workloads else list(workloads)
+    common += ["--single", args.single]
+    names = selected_workloads(args, workloads)
     env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
     found: dict[tuple[str, str], EngineResult] = {}
     engines = [e for e in args.engines.split(",") if e]
@@ -244,16 +254,23 @@ def run_engines(
         )
         for w, r in collect(data, labels.get(eng, eng), workloads, ncpu).items():
             found[(r.engine, w)] = r
+        if data.get("single"):
+            SINGLE[f"{labels.get(eng, eng)} [earlier run]"] = data
 
     def add(data: dict | None, label: str) -> None:
         if data is not None:
             for w, r in collect(data, label, workloads, ncpu).items():
                 found[(label, w)] = r
+            if data.get("single"):
+                SINGLE[label] = data
 
     if "tokenloom" in engines:
         cmd = [py, str(PEERS / "worker_tokenloom.py"), *wl_args(paths, names), *common]
         if args.tokenloom_model:
             cmd += ["--model", args.tokenloom_model]
+        cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--dtype", args.tokenloom_dtype]
+        if args.quantization:
+            cmd += ["--quantization", args.quantization]
         data = run_worker("tokenloom", cmd, env, args.workdir, args.timeout)
         if data is None:
             print("   tokenloom: skipped (see the log above; is tokenloom.LLM importable yet?)")
@@ -271,7 +288,7 @@ def run_engines(
                 "VLLM_CACHE_ROOT": str(ROOT / ".bench" / "vllm-cache"),
             }
             cmd = [str(vpy), str(PEERS / "worker_vllm.py"), *wl_args(paths, names), *common]
-            cmd += ["--model", str(args.hf_model)]
+            cmd += ["--model", str(args.hf_model), "--dtype", args.vllm_dtype]
             add(run_worker("vllm", cmd, venv, args.workdir, args.timeout), "vllm")
 
     if "hf" in engines:
@@ -298,7 +315,7 @@ def run_hf_sweep(
     """One run per batch size, then the best size per workload gets the remaining repeats."""
     py = sys.executable
     sizes = [int(s) for s in args.hf_batch_sizes.split(",")]
-    names = [n for n in args.workloads.split(",") if n] if args.workloads else list(workloads)
+    names = selected_workloads(args, workloads)
     sweep: dict[str, dict[int, dict]] = {n: {} for n in names}
     configs: dict[int, dict] = {}
     for bs in sizes:
@@ -357,6 +374,59 @@ def fmt_rate(x: float) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
 
+def _single_busy(data: dict[str, Any]) -> float:
+    """The largest share of the machine other processes took during a single-stream run."""
+    ncpu = os.cpu_count() or 1
+    return max(r["other_cpu_s"] / ((r["prefill_s"] + r["total_s"]) * ncpu) for r in data["single"])
+
+
+def single_stream_section(args: argparse.Namespace, bars: list[tuple[str, str, float]]) -> str:
+    """The single-stream table (medians over the repeats), adding decode tok/s bars."""
+    if not SINGLE:
+        return ""
+    rows = []
+    for label, data in SINGLE.items():
+        runs = data["single"]
+        decode = statistics.median(r["decode_ms_per_token"] for r in runs)
+        cpu = [r["decode_cpu_ms_per_token"] for r in runs if "decode_cpu_ms_per_token" in r]
+        cpu_text = f"{statistics.median(cpu):.1f}" if cpu else "-"
+        prompt = statistics.median(r["prompt_tok_s"] for r in runs)
+        others = _single_busy(data)
+        own = data.get("config", {}).get("own_decode_ms_per_token") or []
+        own_text = f"{statistics.median(own):.1f}" if own else "-"
+        config = data.get("config", {})
+        weights = config.get("quantization") or config.get("dtype") or "GGUF as is"
+        rows.append(
+            f"| {label} | {weights} | {decode:.1f} | {cpu_text} | {own_text} | {fmt_rate(prompt)} | "
+            f"{data.get('rss_mb', 0):,.0f} | {len(runs)} | {others:.0%} |"
+        )
+        bars.append((label, "single stream (decode tok/s)", 1e3 / decode))
+    prompt_len, out_len = args.single.split(":")
+    busy = [label for label, data in SINGLE.items() if _single_busy(data) > BUSY_WARN_FRACTION]
+    note = (
+        f"\nOther processes took more than {BUSY_WARN_FRACTION:.0%} of the machine during the "
+        f"single-stream runs of: {', '.join(busy)}; treat those figures as noisy.\n"
+        if busy
+        else ""
+    )
+    return f"""
+## Single stream (batch 1)
+
+One request at a time, a {prompt_len}-token prompt: decode ms/token = (time for
+{out_len} tokens - time for 1 token) / {int(out_len) - 1}, prompt tok/s = {prompt_len} / time for
+1 token (the prefill plus one sampling step), the same wall-clock arithmetic for
+every engine; median of the repeats. llama.cpp also reports its own decode time
+per token ("own"). CPU ms/token: the engine processes' own CPU time per decoded
+token (both cores: up to 2x wall on an idle machine), which moves less with
+other processes' load than wall time. RSS: the worker's whole process tree after the runs (the
+engine's processes included, the Python driver too).
+
+| engine | weights | decode ms/token | CPU ms/token | own | prompt tok/s | RSS MB | runs | others |
+|---|---|---|---|---|---|---|---|---|
+{chr(10).join(rows)}
+{note}"""
+
+
 def write_report(
     args: argparse.Namespace,
     results: dict[tuple[str, str], EngineResult],
@@ -398,6 +468,7 @@ def write_report(
                     f"- {eng} / {wname}: other processes used up to {res.other_cpu_frac:.0%} "
                     "of the machine during a timed run; treat this figure as noisy."
                 )
+    single_text = single_stream_section(args, bars)
     png = plot_throughput_bars(bars, args.out_png) if bars else None
     wl_lines = []
     for wname, reqs in workloads.items():
@@ -460,10 +531,10 @@ busy machine than wall time, though spin-waiting threads inflate it.
 | engine | workload | output tok/s | total tok/s | wall s | ratio to tokenloom | prefix-cache hits | lengths | runs | others | CPU s |
 |---|---|---|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
-
+{single_text}
 {"![output tokens/s](" + Path(png).name + ")" if png else ""}
 
-{"Warnings:" + chr(10) + chr(10).join(warnings) if warnings else "No run was disturbed by more than 10% of the machine."}
+{"Warnings:" + chr(10) + chr(10).join(warnings) if warnings else "No workload run was disturbed by more than 10% of the machine." if rows else ""}
 
 ## Method
 
@@ -471,9 +542,11 @@ busy machine than wall time, though spin-waiting threads inflate it.
   warm-up (4 prompts x 32 tokens, 8 output tokens) are not timed. The prefix cache is
   reset before every timed run (vLLM: `reset_prefix_cache()`; tokenloom: the scheduler's
   reset, when reachable), so repeats never reuse a previous run's cache.
-- Weights: the bundled SmolLM2-135M-Instruct Q4_1 GGUF, dequantized. vLLM and
-  transformers read the fp32 HF export made by `benchmarks/peers/export_hf.py`;
-  tokenloom reads the GGUF and runs fp32; llama.cpp (if present) runs the 4-bit GGUF as is.
+- Weights: the GGUF `{Path(args.gguf).name}`. vLLM and transformers read the fp32
+  HF export of the bundled model made by `benchmarks/peers/export_hf.py` (vLLM runs it
+  in {args.vllm_dtype}); tokenloom reads `{Path(args.tokenloom_model or args.gguf).name}` with
+  `--dtype {args.tokenloom_dtype}` (float32: dequantized; auto: its quantized weights where
+  supported), KV cache `{args.kv_cache_dtype}`; llama.cpp runs the GGUF's quantized weights as is.
 - vLLM: CPU build in its own venv, `VLLM_CPU_OMP_THREADS_BIND=0-1`, prefix caching on,
   `LLM.generate` on token-id prompts. transformers: static batches in workload order,
   left-padded, each batch decoding to its longest request; one run per batch size
@@ -525,6 +598,19 @@ def main() -> None:
         "--llama-server", default=str(ROOT / ".bench" / "llamacpp" / "bin" / "llama-server")
     )
     ap.add_argument("--gguf", default=None, help="default: the bundled GGUF")
+    ap.add_argument(
+        "--single",
+        default="256:128",
+        help="single stream PROMPT:OUT tokens, one request at a time ('' to skip)",
+    )
+    ap.add_argument("--kv-cache-dtype", default="auto", help="tokenloom's KV cache dtype")
+    ap.add_argument(
+        "--tokenloom-dtype",
+        default="float32",
+        help="tokenloom's --dtype (auto: a GGUF runs on its quantized weights where supported)",
+    )
+    ap.add_argument("--quantization", default=None, help="tokenloom's --quantization, if any")
+    ap.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's best on an avx512_bf16 CPU")
     ap.add_argument("--idle-wait", type=float, default=30.0)
     ap.add_argument(
         "--reuse",
@@ -562,7 +648,7 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.hf_model))
     workloads = build_workloads(tokenizer, args.seed)
-    bad = {n for n in args.workloads.split(",") if n} - set(workloads)
+    bad = set(selected_workloads(args, workloads)) - set(workloads)
     if bad:
         raise SystemExit(f"unknown workload(s) {sorted(bad)}; choose from {list(workloads)}")
     paths = {}

@@ -54,6 +54,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Share of free memory the KV cache may take when num_blocks is None.
     memory_fraction: float = 0.1
+    # dtype K/V are stored in (vLLM's name); "auto": the model's dtype. A 16-bit
+    # cache under a float32 model halves what decode attention reads.
+    cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
@@ -67,6 +70,14 @@ class CacheConfig:
             "memory_fraction",
             f"must be in (0, 1], got {self.memory_fraction}",
         )
+        _require(
+            self.cache_dtype in ("auto", "float32", "bfloat16", "float16"),
+            "cache_dtype",
+            f"must be one of auto, float32, bfloat16, float16; got {self.cache_dtype!r}",
+        )
+
+
+QUANTIZATION_METHODS = ("gguf", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -88,8 +99,17 @@ class ModelConfig:
     # How the model is spread over processes (only tensor_parallel_size concerns
     # the engine core; it travels here to the core's process with the model).
     parallel_config: ParallelConfig = field(default_factory=lambda: ParallelConfig())
+    # vLLM's name. None: a GGUF file runs on its quantized weights unless ``dtype``
+    # names a float type (then it is dequantized); "gguf" insists on that;
+    # "int8"/"int4" quantize a float checkpoint at load time (tokenloom.quantization).
+    quantization: Literal["gguf", "int8", "int4"] | None = None
 
     def __post_init__(self) -> None:
+        _require(
+            self.quantization in (None, *QUANTIZATION_METHODS),
+            "quantization",
+            f"must be None or one of {', '.join(QUANTIZATION_METHODS)}; got {self.quantization!r}",
+        )
         _require(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
             "dtype",

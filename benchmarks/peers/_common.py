@@ -5,9 +5,15 @@ venv, ...), so this file must not import tokenloom or any engine.
 Protocol: a worker loads its engine (untimed), runs the same warm-up
 (untimed), then for each workload and repeat resets any prefix cache, waits
 for the machine to calm down, and times one pass over the whole workload.
-It writes JSON: {"engine", "config", "load_s", "runs": {workload: [run...]}}
-where a run is {"wall_s", "output_tokens": [per request], "cached_tokens",
-"own_cpu_s", "other_cpu_s", "busy_wait_s"}.
+It writes JSON: {"engine", "config", "load_s", "runs": {workload: [run...]},
+"single": [...], "rss_mb"} where a run is {"wall_s", "output_tokens": [per
+request], "cached_tokens", "own_cpu_s", "other_cpu_s", "busy_wait_s"}.
+
+Single stream (``--single PROMPT:OUT``): one request at a time, greedy. Each
+repeat times the same prompt with 1 output token (the prefill: prompt tok/s)
+and with OUT tokens; decode ms/token = (t_OUT - t_1) / (OUT - 1), the same
+arithmetic for every engine, and the same from the engine's own CPU time. ``rss_mb`` is the resident memory of the
+worker's process tree (the engine's processes included) after the runs.
 """
 
 from __future__ import annotations
@@ -144,12 +150,73 @@ def wait_for_idle(max_wait_s: float, threshold: float = 0.25) -> float:
 
 def worker_args(description: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--workload", action="append", required=True, help="NAME=path.json")
+    ap.add_argument("--workload", action="append", default=[], help="NAME=path.json")
+    ap.add_argument("--single", default="", help="PROMPT:OUT single-stream measurement (off: '')")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", required=True)
     ap.add_argument("--idle-wait", type=float, default=30.0, help="max seconds to wait for idle")
     ap.add_argument("--threads", type=int, default=2)
     return ap
+
+
+def tree_rss_mb() -> float:
+    """Resident memory of this process and its descendants, in MB."""
+    me = psutil.Process()
+    total = 0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total / 1e6
+
+
+def single_prompt(prompt_len: int) -> list[int]:
+    """The single-stream prompt: fixed token ids, the same for every engine."""
+    return [100 + (37 * i) % 20000 for i in range(prompt_len)]
+
+
+def run_single(
+    args: argparse.Namespace, generate_one: Callable[[list[int], int], int], engine: str
+) -> list[dict[str, Any]]:
+    """Batch-1 prefill and decode timings (see the module docstring)."""
+    prompt_len, out_len = (int(x) for x in args.single.split(":"))
+    prompt = single_prompt(prompt_len)
+    generate_one(prompt[:32], 4)  # warm-up at this batch size
+    runs = []
+    for rep in range(args.repeats):
+        waited = wait_for_idle(args.idle_wait)
+        with CpuMonitor() as mon:
+            with CpuMonitor() as first:
+                t0 = time.perf_counter()
+                assert generate_one(prompt, 1) == 1
+                t1 = time.perf_counter()
+            with CpuMonitor() as whole:
+                produced = generate_one(prompt, out_len)
+                t2 = time.perf_counter()
+        if produced != out_len:
+            raise RuntimeError(f"{engine} produced {produced} tokens, asked for {out_len}")
+        run = {
+            "prompt_tokens": prompt_len,
+            "output_tokens": out_len,
+            "prefill_s": t1 - t0,
+            "total_s": t2 - t1,
+            "decode_ms_per_token": (t2 - t1 - (t1 - t0)) / (out_len - 1) * 1e3,
+            "prompt_tok_s": prompt_len / (t1 - t0),
+            "other_cpu_s": mon.other_cpu_s,
+            "busy_wait_s": waited,
+            # CPU time of the engine's own processes per decoded token: less sensitive
+            # to a crowded machine than wall time (spinning threads inflate it).
+            "decode_cpu_ms_per_token": (whole.own_cpu_s - first.own_cpu_s) / (out_len - 1) * 1e3,
+        }
+        runs.append(run)
+        print(
+            f"[{engine}] single rep {rep + 1}/{args.repeats}: decode "
+            f"{run['decode_ms_per_token']:.1f} ms/token, prompt {run['prompt_tok_s']:.0f} tok/s, "
+            f"other procs {mon.other_cpu_s:.1f} cpu-s",
+            flush=True,
+        )
+    return runs
 
 
 def run_all(
@@ -159,8 +226,10 @@ def run_all(
     engine: str,
     config: dict[str, Any],
     load_s: float,
+    generate_one: Callable[[list[int], int], int] | None = None,
 ) -> None:
-    """Warm up, then time ``run_once(workload) -> (output token counts, cached tokens)``."""
+    """Warm up, then time ``run_once(workload) -> (output token counts, cached tokens)``,
+    and, with ``--single``, ``generate_one(prompt ids, max_tokens) -> tokens produced``."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run_once(WARMUP)
     reset_cache()
@@ -194,4 +263,8 @@ def run_all(
                 flush=True,
             )
     out = {"engine": engine, "config": config, "load_s": load_s, "runs": runs}
+    if args.single and generate_one is not None:
+        reset_cache()
+        out["single"] = run_single(args, generate_one, engine)
+    out["rss_mb"] = tree_rss_mb()
     Path(args.out).write_text(json.dumps(out))

@@ -11,7 +11,7 @@ OUT="$ROOT/.bench/llamacpp"
 mkdir -p "$SRC" "$OUT/bin"
 TARBALL="$SRC/llama_cpp_python-$VERSION.tar.gz"
 if [ ! -f "$TARBALL" ]; then
-  "$ROOT/.venv/bin/pip" download --no-deps --no-binary :all: --no-build-isolation \
+  "$ROOT/.venv/bin/pip" download --no-deps --no-binary :all: \
     "llama-cpp-python==$VERSION" -d "$SRC"
 fi
 [ -d "$SRC/llama_cpp_python-$VERSION" ] || tar -C "$SRC" -xzf "$TARBALL"

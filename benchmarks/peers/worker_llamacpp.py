@@ -83,8 +83,20 @@ def main() -> None:
                 except urllib.error.URLError:
                     pass
 
-        config = {"cmd": cmd[1:], "gguf": args.gguf}
-        run_all(args, run_once, reset, "llama.cpp", config, load_s)
+        # Its own per-token decode time, beside the common wall-clock arithmetic.
+        own_decode_ms: list[float] = []
+
+        def generate_one(prompt: list[int], max_tokens: int) -> int:
+            body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1}
+            out = post(
+                base + "/completion", {**body, "ignore_eos": True, "cache_prompt": False}
+            )  # no reuse
+            if max_tokens > 1:
+                own_decode_ms.append(float(out["timings"]["predicted_per_token_ms"]))
+            return int(out.get("tokens_predicted", 0))
+
+        config = {"cmd": cmd[1:], "gguf": args.gguf, "own_decode_ms_per_token": own_decode_ms}
+        run_all(args, run_once, reset, "llama.cpp", config, load_s, generate_one)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

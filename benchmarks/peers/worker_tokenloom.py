@@ -20,6 +20,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the bundled GGUF")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--quantization", default=None, help="passed on when given")
     args = ap.parse_args()
 
     import torch
@@ -37,7 +39,10 @@ def main() -> None:
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": True,
         "log_stats": False,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
+    if args.quantization:
+        config["quantization"] = args.quantization
     t0 = time.perf_counter()
     llm = LLM(**config)
     load_s = time.perf_counter() - t0
@@ -57,7 +62,13 @@ def main() -> None:
         cached = sum(max(0, int(getattr(o, "num_cached_tokens", 0) or 0)) for o in outs)
         return counts, cached
 
-    run_all(args, run_once, lambda: reset_prefix_cache(llm), "tokenloom", config, load_s)
+    def generate_one(prompt: list[int], max_tokens: int) -> int:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+    run_all(
+        args, run_once, lambda: reset_prefix_cache(llm), "tokenloom", config, load_s, generate_one
+    )
 
 
 if __name__ == "__main__":

@@ -48,10 +48,15 @@ def main() -> None:
     def reset() -> None:
         llm.reset_prefix_cache()
 
+    def generate_one(prompt: list[int], max_tokens: int) -> int:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        return len(out[0].outputs[0].token_ids)
+
     import vllm
 
     config["vllm_version"] = vllm.__version__
-    run_all(args, run_once, reset, "vllm", config, load_s)
+    run_all(args, run_once, reset, "vllm", config, load_s, generate_one)
 
 
 if __name__ == "__main__":

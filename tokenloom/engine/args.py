@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.config import (
+    QUANTIZATION_METHODS,
     CacheConfig,
     DPLoadBalanceConfig,
     LoRAConfig,
@@ -25,7 +26,7 @@ from tokenloom.config import (
 from tokenloom.default_model import DEFAULT_MODEL_NAME
 
 # Argument name -> the config field that holds it, where the two differ.
-_RENAMED = {"kv_cache_memory_fraction": "memory_fraction"}
+_RENAMED = {"kv_cache_memory_fraction": "memory_fraction", "kv_cache_dtype": "cache_dtype"}
 _INT_FIELDS = (
     "block_size",
     "max_num_seqs",
@@ -90,6 +91,11 @@ class EngineArgs:
     engine_restart_backoff_s: float = 1.0
     # Tensor parallelism: ranks (worker processes) that split every layer.
     tensor_parallel_size: int = 1
+    # dtype of the paged KV cache (vLLM's name): auto (the model's), float32, bfloat16, float16.
+    kv_cache_dtype: str = "auto"
+    # vLLM's name: None (a GGUF runs quantized unless dtype names a float type),
+    # "gguf", or "int8"/"int4" to quantize a float checkpoint at load time.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -157,12 +163,14 @@ class EngineArgs:
                 seed=self.seed,
                 revision=self.revision,
                 parallel_config=self.create_parallel_config(),
+                quantization=self.quantization,  # type: ignore[arg-type]
             )
             cache_config = CacheConfig(
                 block_size=self.block_size,
                 num_blocks=self.num_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
                 memory_fraction=float(self.kv_cache_memory_fraction),
+                cache_dtype=self.kv_cache_dtype,  # type: ignore[arg-type]
             )
             scheduler_config = SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -310,6 +318,14 @@ class EngineArgs:
             "(default: the model's own)",
         )
         group.add_argument(
+            "--quantization",
+            choices=list(QUANTIZATION_METHODS),
+            default=d.quantization,
+            help="run on quantized weights: gguf (a .gguf file's own, the default for GGUF "
+            "files unless --dtype names a float type), int8 or int4 (quantize a float "
+            "checkpoint at load time)",
+        )
+        group.add_argument(
             "--max-logprobs",
             type=int,
             default=d.max_logprobs,
@@ -363,6 +379,12 @@ class EngineArgs:
             default=d.tensor_parallel_size,
             help="worker processes that split every layer (torch.distributed: gloo on CPU, "
             "NCCL on CUDA)",
+        )
+        group.add_argument(
+            "--kv-cache-dtype",
+            choices=["auto", "float32", "bfloat16", "float16"],
+            default=d.kv_cache_dtype,
+            help="dtype of the KV cache (auto: the model's); 16 bits halve what decoding reads",
         )
         return parser
 

@@ -27,6 +27,10 @@ decode step, and a few more SDPA calls cost less than copying padding. Prefill c
 SDPA call each, causal with the chunk offset by its cached context; a chunk with
 no cached context attends to its own fresh K/V without touching the cache.
 
+The cache may hold K/V in a narrower dtype than the model computes in
+(``CacheConfig.cache_dtype``, e.g. bfloat16 under a float32 model): they are
+rounded when written and widened when read, which halves what a decode reads.
+
 Where the native CPU kernel is available (``cpu_kernels``; the runner passes it
 as ``native_op``), every request with at most ``NATIVE_MAX_QUERY`` new tokens is
 attended by it in one call that reads K/V in place through the block table, and
@@ -333,8 +337,10 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store this step's K/V ([T, Hkv, D]) at their slots (layouts: ``kv_cache``)."""
+    """Store this step's K/V ([T, Hkv, D]) at their slots (layouts: ``kv_cache``),
+    converted to the cache's dtype."""
     num_kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
     block_size = v_cache.shape[1]
     # K blocks are [Hkv, D, block_size]: slot (block, offset) is column `offset`.
@@ -399,9 +405,11 @@ def _decode_attention(
     batch, num_heads, head_dim = q.shape
     num_kv_heads = v_cache.shape[2]
     flat_ids = group.block_ids.view(-1)
-    k = _gather_keys(k_cache, group.block_ids)  # [b, Hkv, L, D]
+    # A 16-bit cache is widened to the compute dtype after the gather.
+    k = _gather_keys(k_cache, group.block_ids).to(q.dtype)  # [b, Hkv, L, D]
     # [b, L, Hkv, D] -> [b, Hkv, L, D]
     v = v_cache.index_select(0, flat_ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = v.to(q.dtype)
     # The query heads sharing a KV head become that head's query rows.
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = _attend(qg, k, v, group.mask, False, scale, softcap)
@@ -435,8 +443,8 @@ def _prefill_attention(
         )
         return out[0].transpose(0, 1)
     assert chunk.block_ids is not None
-    kc = _gather_keys(k_cache, chunk.block_ids)  # [Hkv, L, D]
-    vc = v_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim)
+    kc = _gather_keys(k_cache, chunk.block_ids).to(q.dtype)  # [Hkv, L, D]
+    vc = v_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim).to(q.dtype)
     out = _attend(
         q.transpose(0, 1)[None],
         kc[:, : chunk.seq_len][None],

@@ -36,11 +36,11 @@ def kernels_enabled() -> bool:
     return os.environ.get("TOKENLOOM_CPU_KERNELS", "1") != "0"
 
 
-def _build_key() -> str:
-    """Identifies the build: the host's instruction set (the code is compiled with
+def build_key(source_dir: Path) -> str:
+    """Identifies a build: the host's instruction set (the code is compiled with
     ``-march=native``) and where the sources live, so two checkouts never share a
     build directory (each would rebuild it for its own source paths)."""
-    text = platform.machine() + str(_SOURCES[0].parent)
+    text = platform.machine() + str(source_dir)
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         lines = cpuinfo.read_text().splitlines()
@@ -48,26 +48,32 @@ def _build_key() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-@functools.cache
-def _load() -> bool:
-    """Build (or reuse) and load the extension once per process; False if it fails."""
+def build_extension(name: str, sources: list[Path]) -> bool:
+    """Build (or reuse) and load the op library ``name`` from ``sources``, cached under
+    ``~/.cache/tokenloom/kernels/<build key>``; False (with a warning) if it fails."""
     from torch.utils import cpp_extension
 
-    build_dir = Path.home() / ".cache" / "tokenloom" / "kernels" / _build_key()
+    build_dir = Path.home() / ".cache" / "tokenloom" / "kernels" / build_key(sources[0].parent)
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         cpp_extension.load(
-            name="tokenloom_cpu",
-            sources=[str(source) for source in _SOURCES],
+            name=name,
+            sources=[str(source) for source in sources],
             extra_cflags=_CFLAGS,
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,
         )
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
-        logger.warning("native CPU kernels unavailable (%s); using the torch path", e)
+        logger.warning("native CPU kernels %s unavailable (%s); using the torch path", name, e)
         return False
     return True
+
+
+@functools.cache
+def _load() -> bool:
+    """Build (or reuse) and load the extension once per process; False if it fails."""
+    return build_extension("tokenloom_cpu", _SOURCES)
 
 
 def bind_threads_to_cores() -> list[int] | None:

@@ -4,6 +4,8 @@
 hardware multiplies it natively (CUDA, or a CPU with AVX512_BF16 / AMX) and
 float32 elsewhere, because emulated bf16 matmuls on older CPUs are slower than
 fp32 ones. Explicit names are honoured as given.
+``resolve_kv_cache_dtype(name, model_dtype)``: the KV cache's dtype, "auto"
+meaning the model's.
 """
 
 from __future__ import annotations
@@ -46,3 +48,14 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     if torch.device(device).type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """Map a CacheConfig.cache_dtype name to a torch dtype ("auto": the model's)."""
+    if name == "auto":
+        return model_dtype
+    if name not in _NAMED:
+        raise ValueError(
+            f"cache_dtype must be one of auto, float32, bfloat16, float16; got {name!r}"
+        )
+    return _NAMED[name]

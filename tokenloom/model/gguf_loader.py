@@ -3,6 +3,8 @@
 ``iter_gguf_weights(path, arch)`` yields ``(hf_name, float32 tensor)`` pairs,
 so the model's ``load_weights`` serves GGUF and safetensors alike. Quantised
 tensors (Q4_1, Q8_0, K-quants, ...) are dequantised with ``gguf.quants``.
+``iter_gguf_tensors`` yields them as stored, for the quantized path
+(``tokenloom.quantization``).
 
 llama.cpp's converter permutes the rows of the Q and K projections of "llama"
 models so that rotary pairs are interleaved (x0, x_{d/2}, x1, ...); we undo
@@ -13,10 +15,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from gguf.constants import GGMLQuantizationType
 
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.gguf_reader import open_gguf
@@ -62,22 +66,52 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weight.shape)
 
 
-def iter_gguf_weights(
-    path: str | Path, arch: ModelArchConfig
-) -> Iterator[tuple[str, torch.Tensor]]:
-    from gguf.quants import dequantize
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor as stored: block bytes still in the memory map, plus what it takes
+    to turn them into our layout (rotate-half Q/K rows)."""
 
+    raw: np.ndarray  # uint8 [*outer dims, bytes per row]
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    rope_heads: int | None  # llama Q/K: un-interleave rows over this many heads
+
+    def raw_rows(self) -> np.ndarray:
+        """The bytes of each matrix row, in our row order (rows are independent
+        blocks, so they can be reordered before dequantizing)."""
+        if self.rope_heads is None:
+            return self.raw
+        return unpermute_rope_rows(self.raw, self.rope_heads)
+
+    def dequantize(self) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        data = dequantize(self.raw, self.ggml_type).reshape(self.shape)
+        # Copy out of the read-only memory map (torch wants writable arrays).
+        data = np.require(data, np.float32, ["C", "W"])
+        if self.rope_heads is not None:
+            data = unpermute_rope_rows(data, self.rope_heads)
+        return torch.from_numpy(np.require(data, np.float32, ["C", "W"]))
+
+
+def iter_gguf_tensors(path: str | Path, arch: ModelArchConfig) -> Iterator[tuple[str, GGUFTensor]]:
+    """(hf_name, stored tensor) for every tensor the model loads."""
     gguf_file = open_gguf(path)
     permute = gguf_file.metadata["general.architecture"] == "llama"
     for info in gguf_file.tensors:
         hf_name = gguf_to_hf_name(info.name)
         if hf_name is None:
             continue
-        data = dequantize(gguf_file.raw_tensor(info), info.ggml_type).reshape(info.shape)
-        # Copy out of the read-only memory map (torch wants writable arrays).
-        data = np.require(data, np.float32, ["C", "W"])
+        heads = None
         if permute and ".q_proj." in hf_name:
-            data = unpermute_rope_rows(data, arch.num_attention_heads)
+            heads = arch.num_attention_heads
         elif permute and ".k_proj." in hf_name:
-            data = unpermute_rope_rows(data, arch.num_key_value_heads)
-        yield hf_name, torch.from_numpy(np.require(data, np.float32, ["C", "W"]))
+            heads = arch.num_key_value_heads
+        yield hf_name, GGUFTensor(gguf_file.raw_tensor(info), info.ggml_type, info.shape, heads)
+
+
+def iter_gguf_weights(
+    path: str | Path, arch: ModelArchConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for hf_name, tensor in iter_gguf_tensors(path, arch):
+        yield hf_name, tensor.dequantize()

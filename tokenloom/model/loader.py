@@ -2,7 +2,9 @@
 
 - ``load_model(model_config: ModelConfig) -> LoadedModel``: builds the model on
   ``model_config.device`` in the dtype from ``resolve_dtype`` and fills every
-  parameter, raising if the checkpoint leaves one empty.
+  parameter, raising if the checkpoint leaves one empty. Quantized models
+  (``quantization.loading.resolve_quantization``) keep their matrices quantized
+  and compute in float32.
 
 The model is built on the meta device first so that no time goes into random
 initialisation of weights that are overwritten anyway. Finding the files
@@ -15,7 +17,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -25,9 +27,11 @@ from tokenloom.model.arch_config import ModelArchConfig, load_arch_config
 from tokenloom.model.cpu_kernels import layer_ops_available
 from tokenloom.model.dtype import resolve_dtype
 from tokenloom.model.gguf_loader import iter_gguf_weights
+from tokenloom.model.llama import CausalLM
 from tokenloom.model.packed_linear import prepacking_available
 from tokenloom.model.paths import resolve_model_path
 from tokenloom.model.registry import model_class
+from tokenloom.quantization.loading import load_quantized, resolve_quantization
 
 if TYPE_CHECKING:
     from tokenloom.distributed.shard import TPShard
@@ -42,7 +46,7 @@ class LoadedModel:
     path: Path
 
 
-def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
@@ -67,16 +71,24 @@ def load_model(model_config: ModelConfig, shard: TPShard | None = None) -> Loade
     path = resolve_model_path(model_config.model, model_config.revision)
     arch = load_arch_config(path)
     device = torch.device(model_config.device)
-    dtype = resolve_dtype(model_config.dtype, model_config.device)
+    quantization = resolve_quantization(model_config, path)
+    dtype = (
+        torch.float32 if quantization else resolve_dtype(model_config.dtype, model_config.device)
+    )
 
     local_arch = arch if shard is None else shard.local_arch(arch)
     with torch.device("meta"):
         model = model_class(arch)(local_arch, dtype)
-    model.to_empty(device=device)
-    weights = iter_gguf_weights(path, arch) if path.suffix == ".gguf" else _iter_safetensors(path)
-    if shard is not None:
-        weights = shard.slice_weights(weights, arch)
-    filled = model.load_weights(weights)
+    if quantization:
+        filled = load_quantized(cast(CausalLM, model), path, arch, quantization, device)
+    else:
+        model.to_empty(device=device)
+        weights = (
+            iter_gguf_weights(path, arch) if path.suffix == ".gguf" else iter_safetensors(path)
+        )
+        if shard is not None:
+            weights = shard.slice_weights(weights, arch)
+        filled = model.load_weights(weights)
     missing = sorted(set(dict(model.named_parameters())) - filled)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -84,7 +96,7 @@ def load_model(model_config: ModelConfig, shard: TPShard | None = None) -> Loade
     model.init_buffers(device, dtype)
     model.eval()
     model.requires_grad_(False)
-    if prepacking_available(device, dtype):
+    if prepacking_available(device, dtype) and not quantization:
         model.prepack_weights()
     if layer_ops_available(device, dtype):
         model.use_fused_layer_ops()

@@ -30,6 +30,7 @@ from tokenloom.config import LoRAConfig
 from tokenloom.lora_request import LoRARequest
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.peft_config import read_peft_config
+from tokenloom.quantization.linear import QuantLinear
 
 
 class _BatchMask:
@@ -139,6 +140,11 @@ class LoRAManager:
     """Owns the LoRA slots of one model; see the module docstring."""
 
     def __init__(self, model: CausalLM, lora_config: LoRAConfig) -> None:
+        if any(isinstance(m, QuantLinear) for m in model.modules()):
+            raise ValueError(
+                "enable_lora needs float base weights, and this model runs quantized: "
+                "load it with dtype='float32' or 'bfloat16' (which dequantizes a GGUF)"
+            )
         self.model = model
         self.max_loras = lora_config.max_loras
         self.max_rank = lora_config.max_lora_rank

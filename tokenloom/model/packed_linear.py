@@ -42,8 +42,12 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", packed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).contiguous()
         # The kernel uses the packed weight only when told the true row count.
+        if x.dim() == 2 and x.is_contiguous():  # the decoder's case: no reshaping ops
+            return torch.ops.mkl._mkl_linear(
+                x, self.packed_weight, self.weight, self.bias, x.shape[0]
+            )
+        rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.ops.mkl._mkl_linear(
             rows, self.packed_weight, self.weight, self.bias, rows.shape[0]
         )

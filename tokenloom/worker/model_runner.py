@@ -26,6 +26,7 @@ from tokenloom.core.sched.output import SchedulerOutput
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.attention import AttentionMetadata
 from tokenloom.model.cpu_kernels import bind_threads_to_cores, paged_attention_op
+from tokenloom.model.dtype import resolve_kv_cache_dtype
 from tokenloom.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.loader import load_model
@@ -51,7 +52,8 @@ if TYPE_CHECKING:
 
 
 class ModelRunner:
-    """Public attributes: ``model``, ``arch``, ``dtype``, ``device``, ``max_model_len``,
+    """Public attributes: ``model``, ``arch``, ``dtype``, ``kv_cache_dtype``, ``device``,
+    ``max_model_len``,
     ``num_blocks`` (including the reserved null block 0), ``kv_caches``, ``input_batch``,
     ``eos_token_ids``.
 
@@ -90,6 +92,7 @@ class ModelRunner:
         self.device = loaded.device
         self.model_path = loaded.path
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.arch)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(cache_config.cache_dtype, self.dtype)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)
         # The draft model (if any) loads before sizing, so its weights are already out
@@ -112,7 +115,7 @@ class ModelRunner:
 
             self.num_blocks = all_reduce_min(self.num_blocks, self.device)
         self.kv_caches = allocate_kv_caches(
-            self.model.arch, self.num_blocks, self.block_size, self.dtype, self.device
+            self.model.arch, self.num_blocks, self.block_size, self.kv_cache_dtype, self.device
         )
         if self.speculator is not None:
             self.speculator.allocate_kv_cache(self.num_blocks)
@@ -148,7 +151,7 @@ class ModelRunner:
         # A tensor-parallel rank's blocks hold only its KV heads; but ranks on one CPU
         # share its memory, so there the budget is sized for every head.
         arch = self.arch if self.device.type == "cpu" else self.model.arch
-        per_block = kv_cache_bytes_per_block(arch, self.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(arch, self.block_size, self.kv_cache_dtype)
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
         else:

@@ -2,13 +2,16 @@
 // plus the KV-cache write that precedes it.
 //
 // Reads each request's K/V in place through its block table: nothing is
-// gathered or padded. One task is one query token; for each KV group it scores
-// the token's visible context for that group's query heads together (one K/V
-// load feeds every head), applies a softmax and sums V. Tasks are handed out
+// gathered or padded. One unit of work is one query token and one KV group: it
+// scores the token's visible context for that group's query heads together (one
+// K/V load feeds every head), applies a softmax and sums V. Units are handed out
 // dynamically to torch's intra-op threads because context lengths differ
-// widely within a batch. Head sizes are compiled in (see `paged_attention`).
+// widely within a batch; a small batch runs on the calling thread alone. Head
+// sizes are compiled in (see `paged_attention`).
 //
-// Layouts (float32, contiguous):
+// Layouts (contiguous; q and out float32, the caches float32, bfloat16 or
+// float16: a 16-bit cache is converted to float32 as it is loaded, which halves
+// the bytes a decode reads; the arithmetic stays float32):
 //   out, q          [T, H, D]             flat batch of query tokens
 //   k_cache         [num_blocks, Hkv, D, block_size]  (keys transposed per block)
 //   v_cache         [num_blocks, block_size, Hkv, D]
@@ -21,7 +24,9 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <omp.h>
@@ -31,8 +36,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -40,11 +45,28 @@
 namespace tokenloom {
 namespace {
 
+// Sixteen cache elements as float32 lanes. bfloat16 is the top half of a
+// float32; float16 converts with vcvtph2ps (F16C / AVX-512).
+typedef uint16_t half_lanes __attribute__((vector_size(kLanes * 2), aligned(2)));
+typedef uint32_t uint_lanes __attribute__((vector_size(kLanes * 4)));
+typedef _Float16 fp16_lanes __attribute__((vector_size(kLanes * 2), aligned(2)));
+
+inline vec load_kv(const float* p) { return load(p); }
+inline vec load_kv(const c10::BFloat16* p) {
+  const uint_lanes bits = __builtin_convertvector(*reinterpret_cast<const half_lanes*>(p), uint_lanes)
+                          << 16;
+  return reinterpret_cast<const vec&>(bits);
+}
+inline vec load_kv(const c10::Half* p) {
+  return __builtin_convertvector(*reinterpret_cast<const fp16_lanes*>(p), vec);
+}
+
 // Blocks sit anywhere in the cache, so the hardware prefetcher stops at each
 // block's end; the next block's rows are requested while this one is scored.
-inline void prefetch_rows(const float* first, int64_t rows, int64_t row_stride, int64_t row_len) {
+template <typename T>
+inline void prefetch_rows(const T* first, int64_t rows, int64_t row_stride, int64_t row_len) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < row_len; i += 2 * 64 / sizeof(float))
+    for (int64_t i = 0; i < row_len; i += 2 * 64 / sizeof(T))
       __builtin_prefetch(first + r * row_stride + i);
 }
 
@@ -61,30 +83,32 @@ void check_input(const at::Tensor& t, const char* name, at::ScalarType dtype, in
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
 }
 
+template <typename T>
 struct Problem {
   const float* q;
-  const float* k_cache;
-  const float* v_cache;
+  const T* k_cache;
+  const T* v_cache;
   float* out;
   const int32_t* table;
   const int32_t* rows;
   const std::vector<Task>* tasks;
   int64_t num_heads, num_kv_heads, group, block_size, max_blocks, longest;
   float scale;
+  int64_t work;  // multiply-adds of the whole batch (scores and value sums)
 };
 
 // Scores of 16 consecutive keys for HEADS query heads of one KV group. K blocks
 // are [Hkv, D, block_size] (see model/kv_cache.py): row d of the tile holds
 // dimension d of the 16 keys, so each row load feeds one FMA per head. Two
 // accumulators per head (even and odd d) hide the FMA latency.
-template <int64_t D, int64_t HEADS>
-inline void score_tile(const float* __restrict q, const float* __restrict k_rows, int64_t row_stride,
+template <int64_t D, int64_t HEADS, typename T>
+inline void score_tile(const float* __restrict q, const T* __restrict k_rows, int64_t row_stride,
                        float* __restrict scores, int64_t scores_stride) {
   vec acc[HEADS][2];
   for (int64_t h = 0; h < HEADS; ++h) acc[h][0] = acc[h][1] = vec{};
 #pragma GCC unroll 4
   for (int64_t d = 0; d < D; d += 2) {
-    const vec k0 = load(k_rows + d * row_stride), k1 = load(k_rows + (d + 1) * row_stride);
+    const vec k0 = load_kv(k_rows + d * row_stride), k1 = load_kv(k_rows + (d + 1) * row_stride);
     for (int64_t h = 0; h < HEADS; ++h) {
       acc[h][0] += k0 * q[h * D + d];
       acc[h][1] += k1 * q[h * D + d + 1];
@@ -108,14 +132,15 @@ struct ValueSum {
         for (int64_t c = 0; c < kChunks; ++c) acc[s][h][c] = vec{};
   }
 
-  inline void add(const float* __restrict weights, int64_t weights_stride, const float* __restrict v,
+  template <typename T>
+  inline void add(const float* __restrict weights, int64_t weights_stride, const T* __restrict v,
                   int64_t v_stride, int64_t count) {
     int64_t j = 0;
     for (; j + kSets <= count; j += kSets) {
       for (int64_t s = 0; s < kSets; ++s) {
-        const float* row = v + (j + s) * v_stride;
+        const T* row = v + (j + s) * v_stride;
         vec vj[kChunks];
-        for (int64_t c = 0; c < kChunks; ++c) vj[c] = load(row + c * kLanes);
+        for (int64_t c = 0; c < kChunks; ++c) vj[c] = load_kv(row + c * kLanes);
         for (int64_t h = 0; h < HEADS; ++h) {
           const float w = weights[h * weights_stride + j + s];
           for (int64_t c = 0; c < kChunks; ++c) acc[s][h][c] += vj[c] * w;
@@ -123,10 +148,10 @@ struct ValueSum {
       }
     }
     for (; j < count; ++j) {
-      const float* row = v + j * v_stride;
+      const T* row = v + j * v_stride;
       for (int64_t h = 0; h < HEADS; ++h) {
         const float w = weights[h * weights_stride + j];
-        for (int64_t c = 0; c < kChunks; ++c) acc[0][h][c] += load(row + c * kLanes) * w;
+        for (int64_t c = 0; c < kChunks; ++c) acc[0][h][c] += load_kv(row + c * kLanes) * w;
       }
     }
   }
@@ -151,8 +176,8 @@ struct Scratch {
 };
 
 // One query token against one KV group's HEADS heads (starting at `head`).
-template <int64_t D, int64_t HEADS>
-void attend_heads(const Problem& p, const Task& task, int64_t head, Scratch& scratch) {
+template <int64_t D, int64_t HEADS, typename T>
+void attend_heads(const Problem<T>& p, const Task& task, int64_t head, Scratch& scratch) {
   const int64_t n = task.visible, block_size = p.block_size, stride = scratch.stride;
   const int64_t kv_head = head / p.group;
   const int32_t* blocks = p.table + static_cast<int64_t>(p.rows[task.request]) * p.max_blocks;
@@ -165,7 +190,7 @@ void attend_heads(const Problem& p, const Task& task, int64_t head, Scratch& scr
   // scores are computed and then discarded.
   const int64_t k_block_stride = p.num_kv_heads * D * block_size;
   for (int64_t first = 0; first < n; first += block_size) {
-    const float* k_block = p.k_cache + blocks[first / block_size] * k_block_stride +
+    const T* k_block = p.k_cache + blocks[first / block_size] * k_block_stride +
                            kv_head * D * block_size;
     const int64_t in_block = std::min(block_size, n - first);
     if (first + block_size < n) {
@@ -181,7 +206,8 @@ void attend_heads(const Problem& p, const Task& task, int64_t head, Scratch& scr
         float* tile = scratch.tile.data();
         std::fill(tile, tile + D * kLanes, 0.0f);
         for (int64_t d = 0; d < D; ++d)
-          std::copy_n(k_block + d * block_size + t0, count, tile + d * kLanes);
+          for (int64_t i = 0; i < count; ++i)
+            tile[d * kLanes + i] = static_cast<float>(k_block[d * block_size + t0 + i]);
         score_tile<D, HEADS>(q, tile, kLanes, scores + first + t0, stride);
       }
     }
@@ -216,7 +242,7 @@ void attend_heads(const Problem& p, const Task& task, int64_t head, Scratch& scr
   const int64_t v_token_stride = p.num_kv_heads * D;
   ValueSum<D, HEADS> value_sum;
   for (int64_t first = 0; first < n; first += block_size) {
-    const float* v = p.v_cache + blocks[first / block_size] * block_size * v_token_stride +
+    const T* v = p.v_cache + blocks[first / block_size] * block_size * v_token_stride +
                      kv_head * D;
     if (first + block_size < n) {
       prefetch_rows(p.v_cache + blocks[first / block_size + 1] * block_size * v_token_stride +
@@ -228,41 +254,88 @@ void attend_heads(const Problem& p, const Task& task, int64_t head, Scratch& scr
   value_sum.store_scaled(p.out + (task.token * p.num_heads + head) * D, inv_denominators);
 }
 
-// Heads of a KV group are taken together, up to what fits in the registers.
-template <int64_t D>
-void attend(const Problem& p, const Task& task, Scratch& scratch) {
+// One query token against KV group g; its heads are taken together, up to what
+// fits in the registers.
+template <int64_t D, typename T>
+void attend(const Problem<T>& p, const Task& task, int64_t g, Scratch& scratch) {
   constexpr int64_t max_heads = std::max<int64_t>(1, std::min<int64_t>(4, 16 / (D / kLanes)));
+  const int64_t first = g * p.group, end = (g + 1) * p.group;
   const float* q = p.q + task.token * p.num_heads * D;
-  for (int64_t i = 0; i < p.num_heads * D; ++i) scratch.q[i] = q[i] * p.scale;
-  for (int64_t g = 0; g < p.num_kv_heads; ++g) {
-    const int64_t end = (g + 1) * p.group;
-    for (int64_t head = g * p.group; head < end; head += max_heads) {
-      switch (std::min(max_heads, end - head)) {
-        case 1: attend_heads<D, 1>(p, task, head, scratch); break;
-        case 2: attend_heads<D, 2>(p, task, head, scratch); break;
-        case 3: attend_heads<D, 3>(p, task, head, scratch); break;
-        default: attend_heads<D, 4>(p, task, head, scratch); break;
-      }
+  for (int64_t i = first * D; i < end * D; ++i) scratch.q[i] = q[i] * p.scale;
+  for (int64_t head = first; head < end; head += max_heads) {
+    switch (std::min(max_heads, end - head)) {
+      case 1: attend_heads<D, 1, T>(p, task, head, scratch); break;
+      case 2: attend_heads<D, 2, T>(p, task, head, scratch); break;
+      case 3: attend_heads<D, 3, T>(p, task, head, scratch); break;
+      default: attend_heads<D, 4, T>(p, task, head, scratch); break;
     }
   }
 }
 
-// Tasks are handed out dynamically to torch's intra-op threads because context
-// lengths differ widely within a batch.
-template <int64_t D>
-void run(const Problem& p) {
+// Below this many multiply-adds per thread, waking another thread (a fork and a
+// join per layer) costs more than it saves: a batch-1 decode over a short
+// context runs on the calling thread alone.
+constexpr int64_t kMinWorkPerThread = 1 << 18;
+
+// Work units (query token, KV group) are handed out dynamically to torch's
+// intra-op threads because context lengths differ widely within a batch; one
+// token's groups can go to different threads, so a single long decode uses them all.
+template <int64_t D, typename T>
+void run(const Problem<T>& p) {
   const std::vector<Task>& tasks = *p.tasks;
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t num_units = static_cast<int64_t>(tasks.size()) * p.num_kv_heads;
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  const auto work = [&](int64_t, int64_t) {
     Scratch scratch;
     // A tile starting at the last key writes kLanes scores.
     scratch.stride = (p.longest + 2 * kLanes - 1) / kLanes * kLanes;
     scratch.q.resize(p.num_heads * D);
     scratch.scores.resize(p.num_heads * scratch.stride);
     scratch.tile.resize(D * kLanes);
-    for (int64_t t = next++; t < num_tasks; t = next++) attend<D>(p, tasks[t], scratch);
-  });
+    for (int64_t u = next++; u < num_units; u = next++)
+      attend<D, T>(p, tasks[u / p.num_kv_heads], u % p.num_kv_heads, scratch);
+  };
+  const int64_t threads = std::min<int64_t>(
+      {static_cast<int64_t>(at::get_num_threads()), num_units, p.work / kMinWorkPerThread});
+  if (threads <= 1) {
+    work(0, 1);
+  } else {
+    at::parallel_for(0, threads, 1, work);
+  }
+}
+
+template <typename T>
+void run_head_dim(const Problem<T>& p, int64_t head_dim) {
+  switch (head_dim) {
+    case 64: run<64, T>(p); break;
+    case 128: run<128, T>(p); break;
+    case 32: run<32, T>(p); break;
+    case 96: run<96, T>(p); break;
+    case 80: run<80, T>(p); break;
+    case 256: run<256, T>(p); break;
+    default: TORCH_CHECK(false, "head_dim ", head_dim, " has no native kernel");
+  }
+}
+
+// Calls f with a null pointer of the cache's element type.
+template <typename F>
+void with_cache_type(at::ScalarType dtype, const F& f) {
+  if (dtype == at::kBFloat16) {
+    f(static_cast<c10::BFloat16*>(nullptr));
+  } else if (dtype == at::kHalf) {
+    f(static_cast<c10::Half*>(nullptr));
+  } else {
+    f(static_cast<float*>(nullptr));
+  }
+}
+
+// The cache dtypes the kernels read and write: float32, bfloat16, float16.
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  const at::ScalarType dtype = v_cache.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "the KV cache must be float32, bfloat16 or float16, got ", dtype);
+  check_input(k_cache, "k_cache", dtype, 4);
+  check_input(v_cache, "v_cache", dtype, 4);
 }
 
 void paged_attention(
@@ -278,8 +351,7 @@ void paged_attention(
     double scale) {
   check_input(out, "out", at::kFloat, 3);
   check_input(q, "q", at::kFloat, 3);
-  check_input(k_cache, "k_cache", at::kFloat, 4);
-  check_input(v_cache, "v_cache", at::kFloat, 4);
+  check_cache(k_cache, v_cache);
   check_input(block_table, "block_table", at::kInt, 2);
   for (const at::Tensor* t : {&table_rows, &query_start, &query_len, &seq_lens}) {
     check_input(*t, "per-request metadata", at::kInt, 1);
@@ -301,7 +373,7 @@ void paged_attention(
   const int32_t* lens = query_len.data_ptr<int32_t>();
   const int32_t* seqs = seq_lens.data_ptr<int32_t>();
   std::vector<Task> tasks;
-  int64_t longest = 0;
+  int64_t longest = 0, visible_keys = 0;
   const int32_t* table = block_table.data_ptr<int32_t>();
   for (int64_t r = 0; r < seq_lens.size(0); ++r) {
     TORCH_CHECK(lens[r] >= 1 && lens[r] <= seqs[r], "request ", r, ": bad query_len/seq_len");
@@ -318,31 +390,30 @@ void paged_attention(
       tasks.push_back({static_cast<int32_t>(r), starts[r] + i, seqs[r] - lens[r] + i + 1});
     }
     longest = std::max<int64_t>(longest, seqs[r]);
+    // Token i sees context - query_len + i + 1 keys.
+    visible_keys += static_cast<int64_t>(lens[r]) * (seqs[r] - lens[r]) +
+                    static_cast<int64_t>(lens[r]) * (lens[r] + 1) / 2;
   }
+  const int64_t work = 2 * visible_keys * num_heads * head_dim;
 
-  const Problem problem{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                        out.data_ptr<float>(), table, rows, &tasks, num_heads, num_kv_heads,
-                        group, block_size, max_blocks, longest,
-                        static_cast<float>(scale)};
-  switch (head_dim) {
-    case 64: run<64>(problem); break;
-    case 128: run<128>(problem); break;
-    case 32: run<32>(problem); break;
-    case 96: run<96>(problem); break;
-    case 80: run<80>(problem); break;
-    case 256: run<256>(problem); break;
-    default: TORCH_CHECK(false, "head_dim ", head_dim, " has no native kernel");
-  }
+  with_cache_type(v_cache.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const Problem<T> problem{q.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                             out.data_ptr<float>(), table, rows, &tasks, num_heads, num_kv_heads,
+                             group, block_size, max_blocks, longest, static_cast<float>(scale),
+                             work};
+    run_head_dim(problem, head_dim);
+  });
 }
 
 // Stores this step's keys and values at their cache slots: k, v [T, Hkv, D]
 // (rows may be strided, e.g. views of the fused QKV output), slot_mapping
 // int64 [T]. K blocks are [Hkv, D, block_size], so a key's dimensions go to
-// column `slot % block_size`; V blocks are [block_size, Hkv, D].
+// column `slot % block_size`; V blocks are [block_size, Hkv, D]. A 16-bit cache
+// stores them rounded to nearest even, as torch's own conversion does.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping) {
-  check_input(k_cache, "k_cache", at::kFloat, 4);
-  check_input(v_cache, "v_cache", at::kFloat, 4);
+  check_cache(k_cache, v_cache);
   check_input(slot_mapping, "slot_mapping", at::kLong, 1);
   const int64_t tokens = slot_mapping.size(0), num_blocks = v_cache.size(0);
   const int64_t block_size = v_cache.size(1), num_kv_heads = v_cache.size(2), head_dim = v_cache.size(3);
@@ -358,16 +429,20 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   }
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   const int64_t row = num_kv_heads * head_dim, ks = k.stride(0), vs = v.stride(0);
-  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
-      std::memcpy(vc + slots[t] * row, vp + t * vs, row * sizeof(float));
-      float* k_block = kc + block * row * block_size + offset;
-      for (int64_t i = 0; i < row; ++i) k_block[i * block_size] = kp[t * ks + i];
-    }
+  with_cache_type(v_cache.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* kc = k_cache.data_ptr<T>();
+    T* vc = v_cache.data_ptr<T>();
+    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+        T* v_row = vc + slots[t] * row;
+        for (int64_t i = 0; i < row; ++i) v_row[i] = static_cast<T>(vp[t * vs + i]);
+        T* k_block = kc + block * row * block_size + offset;
+        for (int64_t i = 0; i < row; ++i) k_block[i * block_size] = static_cast<T>(kp[t * ks + i]);
+      }
+    });
   });
 }
 

@@ -1,0 +1,226 @@
+"""Where a batch-1 decode step goes: per phase and per op, against the time the
+model's weights take to stream from memory.
+
+One request (a PROMPT-token prompt, greedy) runs through the real Scheduler and
+ModelRunner on the default model; after its prefill and a warm-up, STEPS decode
+steps are timed. Phases are timed by wrapping the runner's own functions:
+inputs (``apply_deltas`` + ``prepare_step``), attention metadata, the model
+forward, logits, sampling, and the rest (scheduler, output). Then a few steps
+run under torch's profiler for a per-op table (self CPU time).
+
+The floor: bytes of the weights one step reads (every layer's matrices and the
+LM head; norms are negligible) over the memory read bandwidth measured here
+(a sum over a buffer larger than the caches, on the same threads).
+
+    .venv/bin/python benchmarks/step_breakdown.py                 # float32, 2 threads
+    .venv/bin/python benchmarks/step_breakdown.py --kv-cache-dtype bfloat16 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+
+
+def read_bandwidth_gbs(megabytes: int = 1024, repeats: int = 5) -> float:
+    """Best-of GB/s of summing a float32 buffer far larger than the caches."""
+    import torch
+
+    buf = torch.ones(megabytes * 2**20 // 4)
+    buf.sum()
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = max(best, buf.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def weight_bytes_per_step(model: Any) -> int:
+    """Bytes of the matrices one token's forward reads: every linear layer and the
+    LM head (the embedding gathers one row; norms are tiny)."""
+    import torch
+
+    total = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (
+            isinstance(weight, torch.Tensor)
+            and weight.dim() == 2
+            and module is not model.embed_tokens
+        ):
+            total += weight.numel() * weight.element_size()
+    if model.lm_head is None:  # tied: the head reads the embedding matrix
+        total += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
+
+class PhaseTimer:
+    """Accumulates wall time of wrapped callables per phase name, per step."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current[name] += time.perf_counter() - t0
+
+        return timed
+
+    def end_step(self, total: float) -> None:
+        step = dict(self.current)
+        step["other"] = total - sum(step.values())
+        step["total"] = total
+        self.steps.append(step)
+        self.current = defaultdict(float)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: the bundled GGUF")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    ap.add_argument("--steps", type=int, default=100, help="timed decode steps")
+    ap.add_argument("--profile-steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--top", type=int, default=15, help="ops listed")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from _common import cpu_model
+
+    import tokenloom.worker.model_runner as runner_module
+    from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
+    from tokenloom.core.sched.scheduler import Scheduler
+    from tokenloom.request import Request
+    from tokenloom.sampling_params import SamplingParams
+    from tokenloom.worker.model_runner import ModelRunner
+
+    warmup = 10
+    total_tokens = args.prompt + warmup + args.steps + args.profile_steps + 2
+    block_size = 16
+    num_blocks = -(-total_tokens // block_size) + 2
+    # cache_dtype only when asked for, so that this script also runs on older trees.
+    extra = {} if args.kv_cache_dtype == "auto" else {"cache_dtype": args.kv_cache_dtype}
+    cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks, **extra)
+    scheduler_config = SchedulerConfig(max_num_seqs=1)
+    model_config = ModelConfig(model=args.model, dtype=args.dtype, max_model_len=total_tokens + 16)
+    runner = ModelRunner(model_config, cache_config, scheduler_config)
+    scheduler = Scheduler(scheduler_config, cache_config, runner.max_model_len)
+    params = SamplingParams(temperature=0.0, max_tokens=total_tokens - args.prompt, ignore_eos=True)
+    prompt = [(7 * i + 100) % runner.arch.vocab_size for i in range(args.prompt)]
+    scheduler.add_request(Request("r0", prompt, params, eos_token_id=runner.eos_token_ids[0]))
+
+    timer = PhaseTimer()
+    runner_module.apply_deltas = timer.wrap("inputs", runner_module.apply_deltas)
+    runner_module.prepare_step = timer.wrap("inputs", runner_module.prepare_step)
+    runner_module.build_sampling_metadata = timer.wrap(
+        "sampling", runner_module.build_sampling_metadata
+    )
+    build = runner_module.AttentionMetadata.build
+    runner_module.AttentionMetadata.build = timer.wrap("attn metadata", build)  # type: ignore[method-assign]
+    runner.model.forward = timer.wrap("forward", runner.model.forward)  # type: ignore[method-assign]
+    runner.model.compute_logits = timer.wrap("logits", runner.model.compute_logits)  # type: ignore[method-assign]
+    runner.sampler = timer.wrap("sampling", runner.sampler)  # type: ignore[assignment]
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, runner.execute_model(out))
+        return time.perf_counter() - t0
+
+    step()  # the prefill
+    for _ in range(warmup):
+        step()
+    timer.steps.clear()
+    timer.current.clear()
+    for _ in range(args.steps):
+        timer.end_step(step())
+    phases = {
+        name: statistics.median(s.get(name, 0.0) for s in timer.steps) * 1e3
+        for name in ("inputs", "attn metadata", "forward", "logits", "sampling", "other", "total")
+    }
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.profile_steps):
+            step()
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    events.sort(key=lambda e: -e.self_cpu_time_total)
+    profiled_total = sum(e.self_cpu_time_total for e in events)
+    ops = [
+        {
+            "op": e.key,
+            "calls_per_step": e.count / args.profile_steps,
+            "ms_per_step": e.self_cpu_time_total / args.profile_steps / 1e3,
+            "share": e.self_cpu_time_total / profiled_total,
+        }
+        for e in events[: args.top]
+    ]
+    calls = sum(e.count for e in events) / args.profile_steps
+
+    bandwidth = read_bandwidth_gbs()
+    weights = weight_bytes_per_step(runner.model)
+    floor_ms = weights / (bandwidth * 1e9) * 1e3
+    load = os.getloadavg()
+    result = {
+        "cpu": cpu_model(),
+        "threads": args.threads,
+        "load_avg_1m": round(load[0], 2),
+        "dtype": str(runner.dtype),
+        "kv_cache_dtype": str(getattr(runner, "kv_cache_dtype", runner.dtype)),
+        "context": f"{args.prompt + warmup}..{args.prompt + warmup + args.steps}",
+        "phases_ms_median": {k: round(v, 3) for k, v in phases.items()},
+        "weight_mb_per_step": round(weights / 1e6, 1),
+        "read_bandwidth_gbs": round(bandwidth, 2),
+        "weight_stream_floor_ms": round(floor_ms, 2),
+        "step_over_floor": round(phases["total"] / floor_ms, 2),
+        "profiled_ops_per_step": round(calls, 1),
+        "top_ops": ops,
+        "command": "python benchmarks/step_breakdown.py " + " ".join(sys.argv[1:]),
+    }
+    print(f"CPU: {result['cpu']}, {args.threads} threads, load {load[0]:.2f}")
+    print(f"dtype {result['dtype']}, KV cache {result['kv_cache_dtype']}, ctx {result['context']}")
+    print("\nphase              ms/step (median)")
+    for name, ms in phases.items():
+        print(f"  {name:16s} {ms:8.3f}")
+    print(
+        f"\nweights read per step {weights / 1e6:.1f} MB at {bandwidth:.1f} GB/s: "
+        f"floor {floor_ms:.2f} ms; step = {phases['total'] / floor_ms:.2f}x the floor"
+    )
+    print(f"\nops under the profiler: {calls:.0f} per step; top by self CPU time:")
+    for op in ops:
+        print(
+            f"  {op['op'][:40]:40s} {op['calls_per_step']:7.1f} calls "
+            f"{op['ms_per_step']:8.3f} ms {op['share']:6.1%}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Random GGUF blocks and tiny random-weight GGUF files of any supported type."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
+
+# Byte offsets of the fp16 scale fields in each block (the rest is codes), and
+# the largest |code * sub-scale| a weight can reach per unit of those scales.
+_F16_FIELDS = {
+    T.Q8_0: ((0,), 127),
+    T.Q4_0: ((0,), 8),
+    T.Q4_1: ((0, 2), 15),
+    T.Q4_K: ((0, 2), 63 * 15),
+    T.Q5_K: ((0, 2), 63 * 31),
+    T.Q6_K: ((208,), 128 * 32),
+}
+
+
+def random_gguf(ggml_type: T, n: int, k: int, seed: int = 0, magnitude: float = 0.1) -> np.ndarray:
+    """Random blocks of ``ggml_type`` for an [n, k] matrix whose weights stay within
+    about ``magnitude``, as uint8 [n, bytes per row]."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    blocks = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    offsets, reach = _F16_FIELDS[ggml_type]
+    for offset in offsets:
+        scale = (rng.uniform(0.3, 1.0, (n, k // block)) * magnitude / reach).astype(np.float16)
+        blocks[..., offset : offset + 2] = scale[..., None].view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+# A tiny llama: K-quants need 256-column rows, so hidden 256 and FFN 512.
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 512
+
+
+def write_tiny_gguf(path: Path, types: dict[str, T], tied: bool = True, seed: int = 0) -> None:
+    """A random-weight llama GGUF; ``types`` maps each matrix's GGUF base name
+    (attn_q, ..., ffn_down, token_embd, output) to its quantized type."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(VOCAB)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    rng = np.random.default_rng(seed)
+    kv = HIDDEN // HEADS * KV_HEADS
+    shapes = {
+        "attn_q": (HIDDEN, HIDDEN),
+        "attn_k": (kv, HIDDEN),
+        "attn_v": (kv, HIDDEN),
+        "attn_output": (HIDDEN, HIDDEN),
+        "ffn_gate": (FFN, HIDDEN),
+        "ffn_up": (FFN, HIDDEN),
+        "ffn_down": (HIDDEN, FFN),
+    }
+
+    def matrix(name: str, base: str, shape: tuple[int, int], magnitude: float = 0.1) -> None:
+        seed = int(rng.integers(1 << 30))
+        raw = random_gguf(types[base], *shape, seed=seed, magnitude=magnitude)
+        writer.add_tensor(name, raw, raw_dtype=types[base])
+
+    matrix("token_embd.weight", "token_embd", (VOCAB, HIDDEN), magnitude=1.0)
+    for layer in range(LAYERS):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(HIDDEN, np.float32))
+        for base, shape in shapes.items():
+            matrix(f"blk.{layer}.{base}.weight", base, shape)
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    if not tied:
+        matrix("output.weight", "output", (VOCAB, HIDDEN), magnitude=1.0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

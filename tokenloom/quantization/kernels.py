@@ -1,0 +1,41 @@
+"""The native quantized matmul (``csrc/quant_linear.cpp``), built on first use as its
+own extension ``tokenloom_quant`` (cached like ``model.cpu_kernels``'s, keyed by
+the CPU's flags and this checkout). Without a compiler, after a failed build or
+with ``TOKENLOOM_CPU_KERNELS=0``, ``quant_matmul`` dequantizes and uses
+``F.linear`` instead: same results, slower, and the float weights exist for the
+duration of the call.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tokenloom.model.cpu_kernels import build_extension, kernels_enabled
+from tokenloom.quantization.formats import QuantizedWeight
+
+_SOURCES = [Path(__file__).parent / "csrc" / "quant_linear.cpp"]
+
+
+@functools.cache
+def _load() -> bool:
+    return build_extension("tokenloom_quant", _SOURCES)
+
+
+def native_available() -> bool:
+    """Whether the native kernel can be used in this process."""
+    return kernels_enabled() and _load()
+
+
+def quant_matmul(x: torch.Tensor, weight: QuantizedWeight, native: bool = True) -> torch.Tensor:
+    """``x [M, K] float32 @ dequant(weight).T -> [M, N]``."""
+    if native and native_available():
+        out = x.new_empty(x.shape[0], weight.out_features)
+        torch.ops.tokenloom_quant.quant_linear(
+            out, x, weight.qweight, weight.scales, weight.mins, weight.bits, weight.group
+        )
+        return out
+    return F.linear(x, weight.dequantize())

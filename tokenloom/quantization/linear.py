@@ -1,0 +1,51 @@
+"""Modules that run on quantized weights: ``QuantLinear`` (every projection and the
+LM head) and ``QuantEmbedding`` (dequantizes only the rows it gathers, so a tied
+LM head and the embedding share one quantized copy)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenloom.quantization.formats import QuantizedWeight
+from tokenloom.quantization.kernels import quant_matmul
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ dequant(weight).T + bias``; activations in float32."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.qweight = weight
+        self.bias = bias
+        self.in_features = weight.in_features
+        self.out_features = weight.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        out = quant_matmul(rows, self.qweight)
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], -1)
+
+
+class QuantEmbedding(nn.Module):
+    """Gathers rows of a quantized [vocab, hidden] matrix as float32."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        super().__init__()
+        self.qweight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        return self.qweight.dequantize(flat).view(*ids.shape, -1)
+
+
+def quantized_weight_bytes(module: nn.Module) -> int:
+    """Bytes of every quantized weight under ``module`` (shared ones once)."""
+    seen = {
+        id(m.qweight): m.qweight.nbytes
+        for m in module.modules()
+        if isinstance(m, (QuantLinear, QuantEmbedding))
+    }
+    return sum(seen.values())
