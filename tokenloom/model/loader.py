@@ -61,8 +61,13 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, handle.get_tensor(name)
 
 
-def load_model(model_config: ModelConfig, shard: TPShard | None = None) -> LoadedModel:
+def load_model(
+    model_config: ModelConfig, shard: TPShard | None = None, float_weights: bool = False
+) -> LoadedModel:
     """Load the weights named by ``model_config`` onto its device, ready for inference.
+
+    ``float_weights`` (LoRA needs them) keeps a GGUF from running quantized unless
+    ``model_config.quantization`` asks for it.
 
     With ``shard`` (a tensor-parallel rank) the model holds only the rank's share
     (``model.arch`` is the local one, ``LoadedModel.arch`` the whole model's) and
@@ -71,7 +76,7 @@ def load_model(model_config: ModelConfig, shard: TPShard | None = None) -> Loade
     path = resolve_model_path(model_config.model, model_config.revision)
     arch = load_arch_config(path)
     device = torch.device(model_config.device)
-    quantization = resolve_quantization(model_config, path)
+    quantization = resolve_quantization(model_config, path, float_weights)
     dtype = (
         torch.float32 if quantization else resolve_dtype(model_config.dtype, model_config.device)
     )

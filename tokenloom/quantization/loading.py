@@ -35,17 +35,21 @@ _EMBED = "embed_tokens.weight"
 _HEAD = "lm_head.weight"
 
 
-def resolve_quantization(model_config: ModelConfig, path: Path) -> str | None:
+def resolve_quantization(
+    model_config: ModelConfig, path: Path, float_weights: bool = False
+) -> str | None:
     """The quantization method to load ``path`` with, or None for float weights.
     Raises ValueError naming the field for combinations that cannot work. Tensor
     parallel ranks load float weights (their shards are sliced from the dequantized
-    tensors), so a GGUF runs dequantized there unless quantization is asked for."""
+    tensors), and LoRA (``float_weights``) adds to float weights, so in both cases a
+    GGUF runs dequantized unless quantization is asked for."""
     method = model_config.quantization
     is_gguf = path.suffix == ".gguf"
     on_cpu = torch.device(model_config.device).type == "cpu"
     single_rank = model_config.parallel_config.tensor_parallel_size == 1
     if method is None:
         auto = is_gguf and model_config.dtype == "auto" and on_cpu and single_rank
+        auto = auto and not float_weights
         return "gguf" if auto else None
     if not single_rank:
         raise ValueError(

@@ -85,7 +85,7 @@ class ModelRunner:
             keep_freed_memory()
             bind_threads_to_cores()
 
-        loaded = load_model(model_config, shard)
+        loaded = load_model(model_config, shard, float_weights=lora_config is not None)
         self.model = cast(CausalLM, loaded.model)
         self.arch = loaded.arch
         self.dtype = loaded.dtype
