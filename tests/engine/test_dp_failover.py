@@ -11,18 +11,16 @@ from typing import Any
 import pytest
 
 from tests.engine.fakes import DyingRunner, RestartCounter
-from tests.engine.test_recovery import joined, wait_for
-from tokenloom.config import CacheConfig, DPLoadBalanceConfig, RecoveryConfig, SchedulerConfig
+from tests.engine.test_recovery import dying_core, joined, resumed_priors, stream, wait_for
+from tokenloom.config import DPLoadBalanceConfig, RecoveryConfig
 from tokenloom.data_parallel.client import CoreClient, DPClient
 from tokenloom.data_parallel.router import Router
 from tokenloom.engine.args import EngineArgs
 from tokenloom.engine.async_llm import AsyncLLM
-from tokenloom.engine.core import EngineCore
-from tokenloom.engine.core_client import AsyncInprocClient, InprocClient
+from tokenloom.engine.core_client import AsyncInprocClient
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.supervisor import CoreSupervisor
 from tokenloom.outputs import RequestOutput
-from tokenloom.sampling_params import SamplingParams
 
 
 class DPCluster:
@@ -66,26 +64,16 @@ class DPCluster:
         return start
 
     def client(self, index: int, steps_to_live: int | None) -> AsyncInprocClient:
-        runner = DyingRunner(self.token, steps_to_live)
+        runner, client = dying_core(self.token, steps_to_live)
         self.runners[index].append(runner)
-        core = EngineCore(runner, CacheConfig(block_size=4, num_blocks=64), SchedulerConfig())
-        return AsyncInprocClient(InprocClient(core))
+        return client
 
     def served(self, index: int, generation: int = 0) -> dict[str, list[int]]:
         """Request id -> the earlier output it brought, for each request a core was given."""
-        return {
-            new.req_id: new.output_token_ids
-            for call in self.runners[index][generation].calls
-            for new in call.scheduled_new_reqs
-        }
+        return resumed_priors(self.runners[index][generation])
 
     def stream(self, request_id: str, max_tokens: int = 12) -> Awaitable[list[RequestOutput]]:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-
-        async def collect() -> list[RequestOutput]:
-            return [o async for o in self.engine.generate("Hi", params, request_id, delta=True)]
-
-        return asyncio.ensure_future(collect())
+        return stream(self.engine, request_id, max_tokens)
 
 
 async def test_a_dead_cores_streams_move_to_the_other_and_it_rejoins(tokenizer: Any) -> None:

@@ -202,26 +202,39 @@ class Cluster:
         )
 
     def client(self, steps_to_live: int | None) -> AsyncInprocClient:
-        runner = DyingRunner(self.token, steps_to_live)
+        runner, client = dying_core(self.token, steps_to_live)
         self.runners.append(runner)
-        core = EngineCore(runner, CacheConfig(block_size=4, num_blocks=64), SchedulerConfig())
-        return AsyncInprocClient(InprocClient(core))
+        return client
 
     def resumed_priors(self, core: int) -> dict[str, list[int]]:
         """The earlier output each request brought to core ``core`` (by request id)."""
-        return {
-            new.req_id: new.output_token_ids
-            for call in self.runners[core].calls
-            for new in call.scheduled_new_reqs
-        }
+        return resumed_priors(self.runners[core])
 
     def stream(self, request_id: str, max_tokens: int = 12) -> Awaitable[list[RequestOutput]]:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return stream(self.engine, request_id, max_tokens)
 
-        async def collect() -> list[RequestOutput]:
-            return [o async for o in self.engine.generate("Hi", params, request_id, delta=True)]
 
-        return asyncio.ensure_future(collect())
+def dying_core(token: int, steps_to_live: int | None) -> tuple[DyingRunner, AsyncInprocClient]:
+    runner = DyingRunner(token, steps_to_live)
+    core = EngineCore(runner, CacheConfig(block_size=4, num_blocks=64), SchedulerConfig())
+    return runner, AsyncInprocClient(InprocClient(core))
+
+
+def resumed_priors(runner: DyingRunner) -> dict[str, list[int]]:
+    """The earlier output each request brought to the runner's core (by request id)."""
+    return {
+        new.req_id: new.output_token_ids for call in runner.calls for new in call.scheduled_new_reqs
+    }
+
+
+def stream(engine: AsyncLLM, request_id: str, max_tokens: int) -> Awaitable[list[RequestOutput]]:
+    """Collect one "Hi" request's outputs (deltas) in a task."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+    async def collect() -> list[RequestOutput]:
+        return [o async for o in engine.generate("Hi", params, request_id, delta=True)]
+
+    return asyncio.ensure_future(collect())
 
 
 def joined(outputs: list[RequestOutput]) -> tuple[str, list[int], str | None]:
