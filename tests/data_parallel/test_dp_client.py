@@ -18,7 +18,7 @@ from tokenloom.data_parallel.client import DPClient, KVEventSubscriber
 from tokenloom.data_parallel.router import Router
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.core_client import AsyncInprocClient, InprocClient
-from tokenloom.engine.exceptions import EngineDeadError
+from tokenloom.engine.exceptions import CoreDeadError, EngineDeadError
 from tokenloom.engine.kv_events import KVEventPublisher
 from tokenloom.engine.messages import EngineCoreRequest
 from tokenloom.sampling_params import SamplingParams
@@ -94,17 +94,30 @@ async def test_resubmit_moves_requests_off_the_excluded_core() -> None:
     client.shutdown()
 
 
-async def test_a_dead_core_fails_get_output() -> None:
+async def test_a_dead_core_is_named_and_leaves_routing() -> None:
     client, cores = make_client()
 
     def broken(*args: object) -> None:
         raise RuntimeError("boom")
 
     cores[1].runner.execute_model = broken  # type: ignore[method-assign]
-    client.add_requests([request("a"), request("b")])
-    with pytest.raises(EngineDeadError, match="boom"):
+    client.add_requests([request("a", 50), request("b")])  # "a" outlives core 1
+    with pytest.raises(CoreDeadError, match="boom") as info:
         await drain(client, {"a", "b"})
+    assert info.value.engine_index == 1
+    assert client.is_alive() and not client.restarting  # core 0 still serves; no supervisors
+    assert client.release_core(1) == ["b"] and client.router.loads[1] == 0
+    assert not client.restart_core(1, "boom")
+    client.add_requests([request("c"), request("d")])  # round robin skips the dead core
+    assert client.router.owner("c") == client.router.owner("d") == 0
+    assert set(await drain(client, {"a", "c", "d"})) == {"a", "c", "d"}
+    cores[0].runner.execute_model = broken  # type: ignore[method-assign]
+    client.add_requests([request("e")])
+    with pytest.raises(CoreDeadError):
+        await drain(client, {"e"})
     assert not client.is_alive()
+    with pytest.raises(EngineDeadError, match="every engine core is dead"):
+        await client.get_output()
     client.shutdown()
 
 

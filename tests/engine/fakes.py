@@ -27,6 +27,20 @@ class FakeModelRunner:
         return False
 
 
+class DyingRunner(FakeModelRunner):
+    """Fails (like a crashed core) after ``steps_to_live`` steps; None: never."""
+
+    def __init__(self, token: int, steps_to_live: int | None) -> None:
+        super().__init__(num_blocks=64, max_model_len=128, token=token)
+        self.steps_to_live = steps_to_live
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        if self.steps_to_live is not None and len(self.calls) >= self.steps_to_live:
+            self.calls.append(scheduler_output)  # what it was asked to do when it died
+            raise RuntimeError("core crashed")
+        return super().execute_model(scheduler_output)
+
+
 class RestartCounter:
     """A stat logger that counts engine core restarts (crash recovery)."""
 

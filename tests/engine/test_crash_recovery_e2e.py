@@ -75,17 +75,21 @@ def engine(default_model_path: Path, counter: RestartCounter) -> Any:
 
 
 class Run:
-    """32 concurrent streams; ``tokens[i]`` grows as stream i's deltas arrive."""
+    """32 concurrent streams sampled by ``params(i)``; ``tokens[i]`` grows with its deltas."""
 
-    def __init__(self, engine: AsyncLLM, tag: str) -> None:
+    def __init__(
+        self, engine: AsyncLLM, tag: str, params: Callable[[int], SamplingParams] = params
+    ) -> None:
         self.engine = engine
+        self.params = params
         self.tokens: list[list[int]] = [[] for _ in range(NUM_STREAMS)]
         self.tasks = [
             asyncio.ensure_future(self._stream(i, f"{tag}-{i}")) for i in range(NUM_STREAMS)
         ]
 
     async def _stream(self, i: int, request_id: str) -> None:
-        async for out in self.engine.generate(PROMPTS[i], params(i), request_id, delta=True):
+        request = self.engine.generate(PROMPTS[i], self.params(i), request_id, delta=True)
+        async for out in request:
             self.tokens[i] += out.outputs[0].token_ids
             if out.finished:
                 assert out.outputs[0].finish_reason == "length"

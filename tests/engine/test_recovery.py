@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.engine.fakes import FakeModelRunner, RestartCounter
+from tests.engine.fakes import DyingRunner, FakeModelRunner, RestartCounter
 from tokenloom.config import CacheConfig, RecoveryConfig, SchedulerConfig
 from tokenloom.engine.args import EngineArgs
 from tokenloom.engine.async_llm import AsyncLLM
@@ -170,20 +170,6 @@ def test_cli_flags() -> None:
 # ---------------------------------------------------------------- AsyncLLM
 
 
-class DyingRunner(FakeModelRunner):
-    """Fails (like a crashed core) after ``steps_to_live`` steps; None: never."""
-
-    def __init__(self, token: int, steps_to_live: int | None) -> None:
-        super().__init__(num_blocks=64, max_model_len=128, token=token)
-        self.steps_to_live = steps_to_live
-
-    def execute_model(self, scheduler_output: Any) -> Any:
-        if self.steps_to_live is not None and len(self.calls) >= self.steps_to_live:
-            self.calls.append(scheduler_output)  # what it was asked to do when it died
-            raise RuntimeError("core crashed")
-        return super().execute_model(scheduler_output)
-
-
 class Cluster:
     """An AsyncLLM whose successive cores live ``plans[i]`` steps ("fail": never starts)."""
 
@@ -216,26 +202,39 @@ class Cluster:
         )
 
     def client(self, steps_to_live: int | None) -> AsyncInprocClient:
-        runner = DyingRunner(self.token, steps_to_live)
+        runner, client = dying_core(self.token, steps_to_live)
         self.runners.append(runner)
-        core = EngineCore(runner, CacheConfig(block_size=4, num_blocks=64), SchedulerConfig())
-        return AsyncInprocClient(InprocClient(core))
+        return client
 
     def resumed_priors(self, core: int) -> dict[str, list[int]]:
         """The earlier output each request brought to core ``core`` (by request id)."""
-        return {
-            new.req_id: new.output_token_ids
-            for call in self.runners[core].calls
-            for new in call.scheduled_new_reqs
-        }
+        return resumed_priors(self.runners[core])
 
     def stream(self, request_id: str, max_tokens: int = 12) -> Awaitable[list[RequestOutput]]:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return stream(self.engine, request_id, max_tokens)
 
-        async def collect() -> list[RequestOutput]:
-            return [o async for o in self.engine.generate("Hi", params, request_id, delta=True)]
 
-        return asyncio.ensure_future(collect())
+def dying_core(token: int, steps_to_live: int | None) -> tuple[DyingRunner, AsyncInprocClient]:
+    runner = DyingRunner(token, steps_to_live)
+    core = EngineCore(runner, CacheConfig(block_size=4, num_blocks=64), SchedulerConfig())
+    return runner, AsyncInprocClient(InprocClient(core))
+
+
+def resumed_priors(runner: DyingRunner) -> dict[str, list[int]]:
+    """The earlier output each request brought to the runner's core (by request id)."""
+    return {
+        new.req_id: new.output_token_ids for call in runner.calls for new in call.scheduled_new_reqs
+    }
+
+
+def stream(engine: AsyncLLM, request_id: str, max_tokens: int) -> Awaitable[list[RequestOutput]]:
+    """Collect one "Hi" request's outputs (deltas) in a task."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+    async def collect() -> list[RequestOutput]:
+        return [o async for o in engine.generate("Hi", params, request_id, delta=True)]
+
+    return asyncio.ensure_future(collect())
 
 
 def joined(outputs: list[RequestOutput]) -> tuple[str, list[int], str | None]:

@@ -8,17 +8,25 @@ of whichever core has one, tagged with that core's ``engine_index`` (for the
 per-core ``engine`` label of the metrics), and feeds the cores' KV cache
 events to the router on the way.
 
-Failover hook: ``resubmit(requests, exclude_core=i)`` re-routes requests a
-dead core owned to the others.
+Failover: when core ``i`` dies, ``get_output`` raises ``CoreDeadError``
+(naming ``i``) and routes nothing more there. The front end takes the ids
+``release_core(i)`` returns, rebuilds them as resumed requests and
+``resubmit(..., exclude_core=i)`` sends them to the live cores at once, while
+``restart_core(i)`` replaces core ``i`` in the background, under its own
+``CoreSupervisor`` (each core has its own restart budget). A new core rejoins
+routing with an empty prefix index. Requests with no live core to go to wait
+in the client until one rejoins. Ray cores are not restarted: their requests
+just fail over.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import tempfile
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 import zmq
@@ -30,12 +38,17 @@ from tokenloom.config import (
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
+    RecoveryConfig,
     SchedulerConfig,
 )
 from tokenloom.core.kv_cache.events import decode_batch
 from tokenloom.data_parallel.router import Router
+from tokenloom.engine.exceptions import CoreDeadError, EngineDeadError
 from tokenloom.engine.kv_events import TOPIC
 from tokenloom.engine.messages import CoreOutputs, EngineCoreRequest
+from tokenloom.engine.supervisor import CoreSupervisor
+
+logger = logging.getLogger(__name__)
 
 
 class CoreClient(Protocol):
@@ -92,8 +105,11 @@ class DPClient:
         router: Router,
         events: KVEventSubscriber | None = None,
         tmpdir: str | None = None,
+        supervisors: list[CoreSupervisor[CoreClient]] | None = None,
     ) -> None:
+        """``supervisors``: one per core, restarting it when it dies (None: no restarts)."""
         self.clients = clients
+        self.supervisors = supervisors
         self.router = router
         self._events = events
         self._tmpdir = tmpdir
@@ -104,6 +120,13 @@ class DPClient:
         self._events_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        # Cores out of routing: dead, restarting, or out of restarts.
+        self._down: set[int] = set()
+        # Requests waiting for a core to rejoin, when none was live.
+        self._held: dict[str, EngineCoreRequest] = {}
+        self._restarts: dict[int, asyncio.Task[None]] = {}
+        self._rejoined: asyncio.Event | None = None
+        self._rejoined_task: asyncio.Task[bool] | None = None
 
     @classmethod
     def launch(
@@ -114,8 +137,10 @@ class DPClient:
         lora_config: LoRAConfig | None,
         parallel_config: ParallelConfig,
         load_balance: DPLoadBalanceConfig,
+        recovery: RecoveryConfig | None = None,
     ) -> DPClient:
-        """Start the cores (they load in parallel); call ``wait_until_ready`` next."""
+        """Start the cores (they load in parallel); call ``wait_until_ready`` next.
+        ``recovery``: restart budget and back-off of each local core (Ray cores: none)."""
         size = parallel_config.data_parallel_size
         router = Router(size, load_balance, cache_config.block_size)
         if parallel_config.data_parallel_backend == "ray":
@@ -130,9 +155,15 @@ class DPClient:
                 lora_config,
                 None if events is None else events.address,
             )
+            if recovery is not None and recovery.max_engine_restarts:
+                logger.warning(
+                    "Ray engine cores are not restarted: a dead one's requests fail over "
+                    "to the others (max_engine_restarts applies to local cores)"
+                )
             return cls(list(ray_clients), router, events)
 
         from tokenloom.engine.core_client import MPClient
+        from tokenloom.engine.supervisor import mp_client_starter
 
         tmpdir = tempfile.mkdtemp(prefix="tokenloom-dp-")
         events = KVEventSubscriber(f"ipc://{tmpdir}/kv-events") if router.uses_kv_events else None
@@ -152,7 +183,15 @@ class DPClient:
         except BaseException:
             cls(clients, router, events, tmpdir).shutdown()
             raise
-        return cls(clients, router, events, tmpdir)
+        supervisors: list[CoreSupervisor[CoreClient]] | None = None
+        if recovery is not None and recovery.max_engine_restarts:
+            address = None if events is None else events.address
+            configs = (model_config, cache_config, scheduler_config, lora_config)
+            supervisors = [
+                CoreSupervisor(recovery, mp_client_starter(*configs, index, address))
+                for index in range(size)
+            ]
+        return cls(clients, router, events, tmpdir, supervisors)
 
     # ------------------------------------------------------------------ state
 
@@ -172,7 +211,15 @@ class DPClient:
         return [client.engine_core_pid for client in self.clients]
 
     def is_alive(self) -> bool:
-        return not self._closed and all(client.is_alive() for client in self.clients)
+        """Some core is in routing and alive (a dead core's requests can fail over)."""
+        return not self._closed and any(
+            client.is_alive() for i, client in enumerate(self.clients) if i not in self._down
+        )
+
+    @property
+    def restarting(self) -> bool:
+        """Some dead core is being replaced: the engine is degraded."""
+        return any(not task.done() for task in self._restarts.values())
 
     # ------------------------------------------------------------------ input
 
@@ -186,6 +233,10 @@ class DPClient:
         self._route_and_send(requests, (exclude_core,))
 
     def _route_and_send(self, requests: list[EngineCoreRequest], exclude: Collection[int]) -> None:
+        exclude = self._down.union(exclude)
+        if len(exclude) >= len(self.clients):  # no live core: wait for one to rejoin
+            self._held.update((request.request_id, request) for request in requests)
+            return
         for request in requests:
             lora = request.lora_request
             engine = self.router.route(
@@ -199,29 +250,84 @@ class DPClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         by_engine: dict[int, list[str]] = {}
         for request_id in request_ids:
+            self._held.pop(request_id, None)
             engine = self.router.release(request_id)
-            if engine is not None:
+            if engine is not None and engine not in self._down:
                 by_engine.setdefault(engine, []).append(request_id)
         for engine, ids in by_engine.items():
             self.clients[engine].abort_requests(ids)
 
     def remove_lora(self, lora_int_id: int) -> None:
-        for client in self.clients:
-            client.remove_lora(lora_int_id)
+        for i, client in enumerate(self.clients):
+            if i not in self._down:
+                client.remove_lora(lora_int_id)
+
+    # ------------------------------------------------------------------ failover
+
+    def release_core(self, engine: int) -> list[str]:
+        """Core ``engine`` is dead: the ids of the requests it held, no longer counted there."""
+        return self.router.release_engine(engine)
+
+    def restart_core(
+        self, engine: int, reason: str, on_attempt: Callable[[], None] | None = None
+    ) -> bool:
+        """Replace dead core ``engine`` in the background; False: it stays down for good."""
+        if self.supervisors is None or self._closed or engine in self._restarts:
+            return False
+        self._restarts[engine] = asyncio.get_running_loop().create_task(
+            self._restart(engine, reason, on_attempt)
+        )
+        return True
+
+    async def _restart(
+        self, engine: int, reason: str, on_attempt: Callable[[], None] | None
+    ) -> None:
+        assert self.supervisors is not None
+        old = self.clients[engine]
+        old.shutdown()  # its process is gone; this frees its sockets
+        try:
+            client = await self.supervisors[engine].restart(reason, on_attempt)
+            if client is None:
+                logger.error("engine core %d stays down: its restart budget is spent", engine)
+            elif self._closed:
+                client.shutdown()
+            else:
+                self.clients[engine] = client
+                self.router.forget_engine(engine)
+                self._down.discard(engine)
+                held, self._held = list(self._held.values()), {}
+                logger.warning(
+                    "engine core %d is back (pid %s); %d waiting requests go to the cores",
+                    engine,
+                    client.engine_core_pid,
+                    len(held),
+                )
+                self._route_and_send(held, ())
+        finally:
+            del self._restarts[engine]
+            if self._rejoined is not None:
+                self._rejoined.set()  # get_output: read the new core, or see that none is left
 
     # ------------------------------------------------------------------ output
 
     async def get_output(self) -> CoreOutputs:
-        """The next step output of any core; raises ``EngineDeadError`` when one dies."""
+        """The next step output of any core; raises ``CoreDeadError`` when one dies (it
+        leaves routing) and ``EngineDeadError`` once none is left nor restarting."""
         while not self._ready:
             loop = asyncio.get_running_loop()
             if self._loop is not loop:
                 self._cancel_tasks()
                 self._loop = loop
+            if not self.is_alive() and not self.restarting:
+                raise EngineDeadError("every engine core is dead and none can restart")
             for index, client in enumerate(self.clients):
-                if index not in self._tasks:
+                if index not in self._tasks and index not in self._down:
                     self._tasks[index] = loop.create_task(client.get_output())
             waiting: set[asyncio.Future[object]] = set(self._tasks.values())  # type: ignore[arg-type]
+            rejoined = self._rejoined = self._rejoined or asyncio.Event()
+            if self._rejoined_task is None:
+                self._rejoined_task = loop.create_task(rejoined.wait())
+            waiting.add(self._rejoined_task)  # type: ignore[arg-type]
             if self._events is not None:
                 if self._events_task is None:
                     self._events_task = loop.create_task(self._apply_events(self._events))
@@ -229,10 +335,18 @@ class DPClient:
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if self._events_task is not None and self._events_task in done:
                 self._events_task = None
+            if self._rejoined_task in done:
+                rejoined.clear()
+                self._rejoined_task = None
             for index, output_task in list(self._tasks.items()):
                 if output_task in done:
                     del self._tasks[index]
-                    self._take(index, output_task.result())  # raises EngineDeadError
+                    try:
+                        result = output_task.result()
+                    except EngineDeadError as exc:
+                        self._down.add(index)
+                        raise CoreDeadError(index, str(exc)) from exc
+                    self._take(index, result)
         return self._ready.popleft()
 
     async def _apply_events(self, events: KVEventSubscriber) -> None:
@@ -262,16 +376,19 @@ class DPClient:
             elif not task.get_loop().is_closed():
                 task.get_loop().call_soon_threadsafe(task.cancel)
         self._tasks.clear()
-        events_task = self._events_task
-        if events_task is not None and not events_task.get_loop().is_closed():
-            events_task.get_loop().call_soon_threadsafe(events_task.cancel)
-        self._events_task = None
+        for other in (self._rejoined_task, self._events_task):
+            if other is not None and not other.get_loop().is_closed():
+                other.get_loop().call_soon_threadsafe(other.cancel)
+        self._rejoined_task = self._rejoined = self._events_task = None
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._cancel_tasks()
+        for task in self._restarts.values():
+            if not task.get_loop().is_closed():
+                task.get_loop().call_soon_threadsafe(task.cancel)
         for client in self.clients:
             client.shutdown()
         if self._events is not None:

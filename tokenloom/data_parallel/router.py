@@ -149,6 +149,13 @@ class Router:
                 index.stored.clear()
                 index.pending.clear()
 
+    def release_engine(self, engine: int) -> list[str]:
+        """Core ``engine`` died: release every request it owned and return their ids."""
+        ids = [request_id for request_id, owner in self._owner.items() if owner == engine]
+        for request_id in ids:
+            self.release(request_id)
+        return ids
+
     def forget_engine(self, engine: int) -> None:
         """A core restarted with an empty cache: drop what it was known to hold."""
         self._indexes[engine] = _PrefixIndex()

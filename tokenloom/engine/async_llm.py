@@ -11,6 +11,8 @@ With the core in its own process, this process imports no torch: the model
 path, arch config and tokenizer are all read by torch-free code. If that
 process dies, a ``CoreSupervisor`` starts a new one and the requests in flight
 resume on it (``recovery``); meanwhile the engine is degraded, not dead.
+With data parallel, a dead core's requests resume on the other cores at once
+while it restarts in the background (failover, ``tokenloom.data_parallel``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from tokenloom.data_parallel.client import DPClient
 from tokenloom.engine.args import EngineArgs
 from tokenloom.engine.core_client import AsyncInprocClient, InprocClient, MPClient
-from tokenloom.engine.exceptions import EngineDeadError
+from tokenloom.engine.exceptions import CoreDeadError, EngineDeadError
 from tokenloom.engine.input_processor import InputProcessor, eos_token_ids
 from tokenloom.engine.messages import CoreOutputs, EngineCoreRequest
 from tokenloom.engine.output_processor import OutputProcessor, RequestOutputCollector
@@ -136,6 +138,7 @@ class AsyncLLM(EngineClient):
                     lora_config,
                     parallel_config,
                     engine_args.create_dp_load_balance_config(),
+                    engine_args.create_recovery_config(),
                 )
             else:
                 mp_client = MPClient(model_config, cache_config, scheduler_config, lora_config)
@@ -147,7 +150,7 @@ class AsyncLLM(EngineClient):
                 raise
             client = mp_client
             recovery = engine_args.create_recovery_config()
-            if recovery.max_engine_restarts:
+            if recovery.max_engine_restarts and not data_parallel:  # DP: a supervisor per core
                 start = mp_client_starter(model_config, cache_config, scheduler_config, lora_config)
                 supervisor = CoreSupervisor(recovery, start)
         else:
@@ -167,7 +170,12 @@ class AsyncLLM(EngineClient):
 
     @property
     def restarting(self) -> bool:
-        """True while a dead core is being replaced: degraded, requests wait for the new one."""
+        """True while a dead core is being replaced: degraded, not dead."""
+        return self._replacing or (isinstance(self.client, DPClient) and self.client.restarting)
+
+    @property
+    def _replacing(self) -> bool:
+        """The one core is being replaced: requests wait for the new one."""
         return self.supervisor is not None and self.supervisor.restarting
 
     @property
@@ -254,7 +262,7 @@ class AsyncLLM(EngineClient):
         finished = False
         try:
             self._ensure_output_handler()
-            if not self.restarting:  # else the new core gets it with the resumed ones
+            if not self._replacing:  # else the new core gets it with the resumed ones
                 self.client.add_requests(requests)
             while not finished:
                 output = await collector.get()
@@ -282,7 +290,7 @@ class AsyncLLM(EngineClient):
 
     def _abort_now(self, request_ids: list[str]) -> None:
         core_ids = self.output_processor.abort_requests(request_ids)
-        if core_ids and not self.errored and not self.restarting:
+        if core_ids and not self.errored and not self._replacing:
             self.client.abort_requests(core_ids)
 
     # ------------------------------------------------------------------ outputs
@@ -318,6 +326,8 @@ class AsyncLLM(EngineClient):
         them; aborted ones are simply no longer there. A core that dies again
         during the replay lands here again, with the output streamed since.
         """
+        if isinstance(error, CoreDeadError) and isinstance(self.client, DPClient):
+            return not self._closed and self._fail_over(self.client, error)
         supervisor = self.supervisor
         if supervisor is None or self._closed:
             return False
@@ -338,6 +348,21 @@ class AsyncLLM(EngineClient):
         )
         client.add_requests(resumed)
         return True
+
+    def _fail_over(self, client: DPClient, error: CoreDeadError) -> bool:
+        """Resume a dead data-parallel core's requests on the live cores now, and restart
+        it in the background. False once no core is left and none can restart."""
+        engine = error.engine_index
+        resumed = self.resumable_requests(client.release_core(engine))
+        restarting = client.restart_core(engine, str(error), self._count_restart)
+        logger.warning(
+            "%s; %d requests fail over to the other cores%s",
+            error,
+            len(resumed),
+            ", it restarts meanwhile" if restarting else "",
+        )
+        client.resubmit(resumed, exclude_core=engine)
+        return client.is_alive() or client.restarting
 
     def resumable_requests(
         self, core_request_ids: Collection[str] | None = None

@@ -79,11 +79,21 @@ def mp_client_starter(
     cache_config: CacheConfig,
     scheduler_config: SchedulerConfig,
     lora_config: LoRAConfig | None,
+    engine_index: int = 0,
+    kv_events_address: str | None = None,
 ) -> Callable[[], Awaitable[MPClient]]:
-    """An async factory of ready ``MPClient``s over these configs (the model loads in a thread)."""
+    """An async factory of ready ``MPClient``s over these configs (the model loads in a thread);
+    ``engine_index``/``kv_events_address``: the data parallel core it replaces."""
 
     async def start() -> MPClient:
-        client = MPClient(model_config, cache_config, scheduler_config, lora_config)
+        client = MPClient(
+            model_config,
+            cache_config,
+            scheduler_config,
+            lora_config,
+            engine_index=engine_index,
+            kv_events_address=kv_events_address,
+        )
         try:
             await asyncio.to_thread(client.wait_until_ready)
         except BaseException:
