@@ -78,6 +78,11 @@ def test_write_report_table_and_chart(tmp_path):
         hf_batch_sizes="8",
         idle_wait=1.0,
         note="noisy",
+        gguf="model.gguf",
+        tokenloom_model=None,
+        tokenloom_dtype="auto",
+        kv_cache_dtype="auto",
+        vllm_dtype="bfloat16",
     )
     floors = {"main": (1.0, 1.0), "shared-prefix": (2.0, 1.5)}
     cp.write_report(args, res, workloads, {"float32": 10.0, "bfloat16": 5.0}, floors, "cmd x")
@@ -89,4 +94,5 @@ def test_write_report_table_and_chart(tmp_path):
     assert "vllm / main: other processes used up to 50%" in text
     assert "| tokenloom | shared-prefix | 4.0 | 12.0 | 1.00 | 1.00x | 50% |" in text
     assert "cmd x" in text and "Note: noisy" in text
+    assert "the GGUF `model.gguf`" in text and "vLLM runs it\n  in bfloat16" in text
     assert (tmp_path / "peers.png").read_bytes()[:4] == b"\x89PNG"
