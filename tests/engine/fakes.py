@@ -46,7 +46,10 @@ class RestartCounter:
 
     def __init__(self) -> None:
         self.restarts = 0
+        # The engine index each counted start attempt was reported under.
+        self.restarted_engines: list[int] = []
 
     def record(self, _: SchedulerStats | None, iteration: IterationStats | None) -> None:
-        if iteration is not None:
+        if iteration is not None and iteration.num_engine_restarts:
             self.restarts += iteration.num_engine_restarts
+            self.restarted_engines.append(iteration.engine_index)

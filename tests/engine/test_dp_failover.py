@@ -108,6 +108,7 @@ async def test_a_dead_cores_streams_move_to_the_other_and_it_rejoins(tokenizer: 
     await wait_for(lambda: not engine.restarting)
     assert dp.clients[1] is not None and len(cluster.runners[1]) == 2
     assert cluster.counter.restarts == 1
+    assert cluster.counter.restarted_engines == [1]  # counted under the dead core's label
     # Core 1 is back in routing: new requests reach the new core.
     late = [cluster.stream(f"late{i}", max_tokens=2) for i in range(2)]
     for outputs in await asyncio.wait_for(asyncio.gather(*late), 10):

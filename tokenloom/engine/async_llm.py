@@ -354,7 +354,9 @@ class AsyncLLM(EngineClient):
         it in the background. False once no core is left and none can restart."""
         engine = error.engine_index
         resumed = self.resumable_requests(client.release_core(engine))
-        restarting = client.restart_core(engine, str(error), self._count_restart)
+        restarting = client.restart_core(
+            engine, str(error), functools.partial(self._count_restart, engine)
+        )
         logger.warning(
             "%s; %d requests fail over to the other cores%s",
             error,
@@ -371,9 +373,11 @@ class AsyncLLM(EngineClient):
         core's) as requests that continue after their output so far on another core."""
         return [resumed_request(r) for r in self.output_processor.in_flight(core_request_ids)]
 
-    def _count_restart(self) -> None:
+    def _count_restart(self, engine_index: int = 0) -> None:
+        """One start attempt of core ``engine_index``, counted under its ``engine`` label."""
+        stats = IterationStats(engine_index=engine_index, num_engine_restarts=1)
         for stat_logger in self.stat_loggers:
-            stat_logger.record(None, IterationStats(num_engine_restarts=1))
+            stat_logger.record(None, stats)
 
     async def _process(self, result: CoreOutputs) -> None:
         outputs = result.outputs
