@@ -55,11 +55,17 @@ COMMAND = ""  # this invocation, as recorded in the report and in each engine's 
 # ----------------------------------------------------------------------------- workloads
 
 
-def build_workloads(tokenizer: Any, seed: int) -> dict[str, list[BenchRequest]]:
+def build_workloads(
+    tokenizer: Any, seed: int, main_requests: int = 128
+) -> dict[str, list[BenchRequest]]:
     vocab = tokenizer_vocab(tokenizer)
     return {
         "main": random_requests(
-            128, LengthSpec("log-uniform", 32, 512), LengthSpec("log-uniform", 16, 256), vocab, seed
+            main_requests,
+            LengthSpec("log-uniform", 32, 512),
+            LengthSpec("log-uniform", 16, 256),
+            vocab,
+            seed,
         ),
         "shared-prefix": shared_prefix_requests(64, 400, 16, 64, vocab, seed + 1),
     }
@@ -132,6 +138,13 @@ class EngineResult:
     @property
     def wall(self) -> float:
         return statistics.median(self.walls)
+
+
+def engine_label(name: str) -> str:
+    """A worker's name as the report prints it: llamacpp-np16 -> 'llama.cpp -np 16'."""
+    engine, _, slots = name.partition("-np")
+    engine = "llama.cpp" if engine == "llamacpp" else engine
+    return f"{engine} -np {slots}" if slots else engine
 
 
 def run_worker(
@@ -237,7 +250,6 @@ def run_engines(
     found: dict[tuple[str, str], EngineResult] = {}
     engines = [e for e in args.engines.split(",") if e]
     reused = [e for e in (args.reuse.split(",") if args.reuse else []) if e not in engines]
-    labels = {"llamacpp": "llama.cpp"}
     for eng in reused:
         path = args.workdir / f"{eng}.json"
         if not path.exists():
@@ -252,10 +264,10 @@ def run_engines(
         data.setdefault("config", {})["reused_from"] = (
             f"{data.get('finished_at')}: {data.get('command')}"
         )
-        for w, r in collect(data, labels.get(eng, eng), workloads, ncpu).items():
+        for w, r in collect(data, engine_label(eng), workloads, ncpu).items():
             found[(r.engine, w)] = r
         if data.get("single"):
-            SINGLE[f"{labels.get(eng, eng)} [earlier run]"] = data
+            SINGLE[f"{engine_label(eng)} [earlier run]"] = data
 
     def add(data: dict | None, label: str) -> None:
         if data is not None:
@@ -299,9 +311,19 @@ def run_engines(
         if not server.exists():
             print(f"\n== llamacpp: skipped, {server} missing (benchmarks/peers/setup_llamacpp.sh)")
         else:
-            cmd = [py, str(PEERS / "worker_llamacpp.py"), *wl_args(paths, names), *common]
-            cmd += ["--server", str(server), "--gguf", str(args.gguf)]
-            add(run_worker("llamacpp", cmd, env, args.workdir, args.timeout), "llama.cpp")
+            slots = [int(n) for n in args.llamacpp_parallel.split(",")]
+            for n in slots:  # one row per -np: the aim is against its best
+                cmd = [py, str(PEERS / "worker_llamacpp.py"), *wl_args(paths, names), *common]
+                cmd += ["--server", str(server), "--gguf", str(args.gguf), "--parallel", str(n)]
+                name, label = (
+                    ("llamacpp", "llama.cpp")
+                    if len(slots) == 1
+                    else (
+                        f"llamacpp-np{n}",
+                        f"llama.cpp -np {n}",
+                    )
+                )
+                add(run_worker(name, cmd, env, args.workdir, args.timeout), label)
     return found
 
 
@@ -509,7 +531,7 @@ Matmul ceilings (torch, {args.ceiling_n}x{args.ceiling_n}, 2 threads): fp32 {cei
 
 Seeded (seed {args.seed}), token-id prompts, greedy, `ignore_eos`, fixed `max_tokens`
 per request; every engine gets exactly the same requests, all submitted at once.
-"main": 128 requests, prompt lengths log-uniform in 32-512, output lengths
+"main": {args.main_requests} requests, prompt lengths log-uniform in 32-512, output lengths
 log-uniform in 16-256. "shared-prefix": 64 requests behind one 400-token
 system prompt + 16 unique tokens, 64 output tokens each.
 
@@ -587,6 +609,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--main-requests",
+        type=int,
+        default=128,
+        help="requests in the main workload (fewer for large models; the report says so)",
+    )
+    ap.add_argument(
         "--workloads", default="", help="run only these (comma-separated; default: all)"
     )
     ap.add_argument("--hf-model", type=Path, default=ROOT / ".bench" / "smollm2-hf")
@@ -596,6 +624,9 @@ def main() -> None:
     ap.add_argument("--vllm-kv-space", type=int, default=4, help="GiB")
     ap.add_argument(
         "--llama-server", default=str(ROOT / ".bench" / "llamacpp" / "bin" / "llama-server")
+    )
+    ap.add_argument(
+        "--llamacpp-parallel", default="32", help="llama-server -np values, one run each"
     )
     ap.add_argument("--gguf", default=None, help="default: the bundled GGUF")
     ap.add_argument(
@@ -647,7 +678,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.hf_model))
-    workloads = build_workloads(tokenizer, args.seed)
+    workloads = build_workloads(tokenizer, args.seed, args.main_requests)
     bad = set(selected_workloads(args, workloads)) - set(workloads)
     if bad:
         raise SystemExit(f"unknown workload(s) {sorted(bad)}; choose from {list(workloads)}")

@@ -75,6 +75,7 @@ def test_write_report_table_and_chart(tmp_path):
         out_png=tmp_path / "peers.png",
         ceiling_n=64,
         seed=0,
+        main_requests=7,
         hf_batch_sizes="8",
         idle_wait=1.0,
         note="noisy",
@@ -92,7 +93,14 @@ def test_write_report_table_and_chart(tmp_path):
     # vllm: wall 1.0 -> ratio 2.00x, busy warning
     assert "| vllm | main | 10.0 | 40.0 | 1.00 | 2.00x |" in text
     assert "vllm / main: other processes used up to 50%" in text
+    assert '"main": 7 requests' in text
     assert "| tokenloom | shared-prefix | 4.0 | 12.0 | 1.00 | 1.00x | 50% |" in text
     assert "cmd x" in text and "Note: noisy" in text
     assert "the GGUF `model.gguf`" in text and "vLLM runs it\n  in bfloat16" in text
     assert (tmp_path / "peers.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_engine_labels_name_the_llamacpp_slots():
+    assert cp.engine_label("llamacpp") == "llama.cpp"
+    assert cp.engine_label("llamacpp-np16") == "llama.cpp -np 16"
+    assert cp.engine_label("vllm") == "vllm"
