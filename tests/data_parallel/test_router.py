@@ -63,9 +63,9 @@ def test_prefix_goes_to_the_core_holding_the_longest_prefix() -> None:
     router.apply_events(stored(0, PROMPT[: 2 * BS]))
     router.apply_events(stored(2, PROMPT[: 4 * BS]))
     assert router.route("a", PROMPT + [1]) == 2
-    # Another prompt sharing only the first block: core 0 and 2 both hold one block,
-    # core 0 is less loaded.
-    other = PROMPT[:BS] + [9] * (3 * BS)
+    # Another prompt sharing its first two of four blocks with both: a tie, and core 0
+    # is less loaded.
+    other = PROMPT[: 2 * BS] + [9] * (3 * BS)
     assert router.route("b", other) == 0
 
 
@@ -95,9 +95,9 @@ def test_removed_and_cleared_blocks_no_longer_attract() -> None:
     router = make_router(margin=10, ttl=1.0)
     router.apply_events(stored(1, PROMPT))
     digests = prompt_block_digests(PROMPT, BS)
-    router.apply_events(KVEventBatch(0.0, [BlockRemoved(digests[1:2])], 1))
-    router.apply_events(stored(2, PROMPT[: 3 * BS]))
-    # Core 1 now holds only the first block as a leading prefix; core 2 holds three.
+    router.apply_events(KVEventBatch(0.0, [BlockRemoved(digests[3:4])], 1))
+    router.apply_events(stored(2, PROMPT[: 4 * BS]))
+    # Core 1 now holds three blocks as a leading prefix; core 2 holds four.
     assert router.route("a", PROMPT + [0]) == 2
     router.release("a")
     router.apply_events(KVEventBatch(0.0, [AllBlocksCleared()], 2))
@@ -113,6 +113,25 @@ def test_routed_prompts_count_as_held_until_they_expire() -> None:
     router._clock.now = 10.0  # type: ignore[attr-defined]
     # Expired and never confirmed: the least loaded core wins.
     assert router.route("late", PROMPT + [9]) != first
+
+
+def test_new_prefixes_go_to_the_emptiest_cache() -> None:
+    """A prompt nobody holds half of goes where the fewest blocks are held, not where the
+    momentary load is lowest, so distinct prefixes arriving together spread over the cores."""
+    router = make_router(n=2, margin=10)
+    router.apply_events(stored(0, PROMPT))
+    router.route("busy", [7] * BS, exclude={0})  # core 1 holds nothing but is busier
+    assert router.loads == [0, 1]
+    other = [5] * (5 * BS)
+    assert router.route("new", other + [0]) == 1
+    # Four distinct prompts interleaved, before any event: each stays on one core, two per core.
+    router = make_router(n=2, margin=10)
+    prompts = [[p] * (5 * BS) for p in (11, 12, 13, 14)]
+    homes: dict[int, set[int]] = {p: set() for p in range(4)}
+    for i in range(16):
+        homes[i % 4].add(router.route(f"r{i}", prompts[i % 4] + [i]))
+    assert all(len(cores) == 1 for cores in homes.values())
+    assert sorted(next(iter(c)) for c in homes.values()) == [0, 0, 1, 1]
 
 
 def test_lora_prefixes_do_not_match_the_base_model() -> None:

@@ -4,7 +4,10 @@
 reported stored (minus those removed). A request goes to the core holding the
 longest prefix of its prompt, among the cores whose load (unfinished requests)
 is within ``load_margin`` of the least loaded one; ties go to the less loaded
-core, then round robin. Events arrive a step late, so a routed prompt's blocks
+core, then round robin. A prompt no core holds half of counts as new and goes
+to the core holding the fewest blocks (as SGLang's cache-aware router sends
+it to the smallest tree), so distinct prefixes spread over the cores instead
+of following the momentary load. Events arrive a step late, so a routed prompt's blocks
 count as held by its core at once, for ``pending_ttl_s`` or until confirmed:
 requests sharing a prompt that arrive together land together.
 """
@@ -41,6 +44,10 @@ class _PrefixIndex:
                 break
             count += 1
         return count
+
+    def size(self, now: float) -> int:
+        """Blocks held: confirmed, plus expected ones not yet expired."""
+        return len(self.stored) + sum(1 for until in self.pending.values() if until > now)
 
     def expect(self, digests: list[int], until: float, now: float) -> None:
         pending = self.pending
@@ -114,13 +121,12 @@ class Router:
         loads = self.loads
         floor = min(loads[i] for i in candidates) + self.config.load_margin
         now = self._clock()
-        best, best_key = candidates[0], (-1, 0)
-        for i in candidates:
-            if loads[i] > floor:
-                continue
-            key = (self._indexes[i].num_leading(digests, now), -loads[i])
-            if key > best_key:
-                best, best_key = i, key
+        eligible = [i for i in candidates if loads[i] <= floor]
+        indexes = self._indexes
+        hits = {i: indexes[i].num_leading(digests, now) for i in eligible}
+        best = max(eligible, key=lambda i: (hits[i], -loads[i]))  # first of equals wins
+        if 2 * hits[best] < len(digests):  # a new prefix: to the emptiest cache
+            best = min(eligible, key=lambda i: (indexes[i].size(now), loads[i]))
         if digests:
             self._indexes[best].expect(digests, now + self.config.pending_ttl_s, now)
         return best
