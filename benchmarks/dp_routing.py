@@ -18,7 +18,7 @@ prompts' blocks beside its running batch is where routing matters; the
 default (sized from memory) holds everything. ``--threads`` CPU threads are
 split between the cores.
 
-    python benchmarks/dp_routing.py --num-blocks 96 --out docs/dp_routing.json
+    python benchmarks/dp_routing.py --num-blocks 72 --max-num-seqs 8 --out docs/dp_routing.json
 """
 
 from __future__ import annotations
