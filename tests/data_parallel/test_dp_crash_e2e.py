@@ -106,3 +106,22 @@ async def test_sigkill_one_core_its_streams_fail_over_and_it_comes_back(
     await wait_until(again.all_started, 300, "the next run's first tokens")
     assert client.router.loads[1] > 0
     assert await again.finish() == reference
+
+
+async def test_a_core_whose_loop_fails_is_replaced(
+    engine: AsyncLLM, reference: list[list[int]], counter: RestartCounter
+) -> None:
+    """A core loop that raises reports the error and returns. A Ray actor then lives on,
+    holding its bundle, so the replacement can only be placed once it is killed."""
+    client = dp_client(engine)
+    old_pid = client.engine_core_pids[0]
+    old_core = client.clients[0]
+    old_core._input.send(b"\xc1")  # type: ignore[attr-defined]  # not msgpack: the loop raises
+    await wait_until(lambda: client.clients[0] is not old_core, 300, "core 0 to be replaced")
+    await wait_until(lambda: not engine.restarting, 300, "core 0 to restart")
+    assert client.engine_core_pids[0] not in (None, old_pid) and engine.is_running
+    assert counter.restarted_engines[-1] == 0
+    run = Run(engine, "after-error", greedy)
+    await wait_until(run.all_started, 300, "the next run's first tokens")
+    assert client.router.loads[0] > 0 and client.router.loads[1] > 0
+    assert await run.finish() == reference
