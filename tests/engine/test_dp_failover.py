@@ -20,7 +20,8 @@ from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.engine.core_client import AsyncInprocClient
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.supervisor import CoreSupervisor
-from tokenloom.outputs import RequestOutput
+from tokenloom.metrics.stats import IterationStats, engine_state
+from tokenloom.outputs import RequestOutput, SchedulerStats
 
 
 class DPCluster:
@@ -164,3 +165,51 @@ async def test_dead_for_good_once_no_core_is_left_nor_can_restart(tokenizer: Any
         await cluster.engine.check_health()
     assert cluster.counter.restarts == 4
     cluster.engine.shutdown()
+
+
+class StateRecorder:
+    """A stat logger that notes the engine's merged state after every step output."""
+
+    def __init__(self, engine: AsyncLLM) -> None:
+        self.engine = engine
+        self.running: list[int] = []
+        # What each core's gauges (Prometheus: the ``engine`` label) read last.
+        self.gauges: dict[int, int] = {}
+
+    def record(self, stats: SchedulerStats | None, iteration: IterationStats | None) -> None:
+        state = self.engine.latest_scheduler_stats
+        if state is not None:
+            self.running.append(state.num_running_reqs)
+        if stats is not None and iteration is not None:
+            self.gauges[iteration.engine_index] = stats.num_running_reqs
+
+
+@pytest.mark.parametrize("plans", [[None, None], [None, 3]], ids=["both-live", "core-1-dies"])
+async def test_the_engine_state_sums_its_live_cores(
+    tokenizer: Any, plans: list[int | None]
+) -> None:
+    """Six streams, three per core: the engine runs six, not the last reporting core's
+    three; a dead core's last snapshot no longer counts once its streams moved."""
+    cluster = DPCluster(tokenizer, plans, None)
+    engine = cluster.engine
+    recorder = StateRecorder(engine)
+    engine.stat_loggers.append(recorder)
+    streams = [cluster.stream(f"r{i}", max_tokens=40) for i in range(6)]
+    await asyncio.wait_for(asyncio.gather(*streams), 10)
+    assert max(recorder.running) == 6
+    state = engine.latest_scheduler_stats
+    assert state is not None and (state.num_running_reqs, state.num_waiting_reqs) == (0, 0)
+    assert engine.num_running_requests == 0 and state.kv_cache_usage == 0.0
+    assert recorder.gauges == {0: 0, 1: 0}  # a dead core's gauges do not keep its last load
+    engine.shutdown()
+
+
+def test_engine_state_sums_queues_and_averages_kv_usage() -> None:
+    assert engine_state([]) is None
+    state = engine_state(
+        [
+            SchedulerStats(3, 1, 0.5, prefix_cache_queries=64, prefix_cache_hits=32),
+            SchedulerStats(2, 0, 0.25, num_preemptions=1),
+        ]
+    )
+    assert state == SchedulerStats(num_running_reqs=5, num_waiting_reqs=1, kv_cache_usage=0.375)

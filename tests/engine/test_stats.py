@@ -37,3 +37,15 @@ def test_logs_throughput_queue_and_cache(caplog: pytest.LogCaptureFixture) -> No
     caplog.clear()
     stat_logger.record(None, None)
     assert "prefix cache hit rate 0.0%" in caplog.records[0].getMessage()
+
+
+def test_logs_the_state_of_all_data_parallel_cores(caplog: pytest.LogCaptureFixture) -> None:
+    stat_logger = LoggingStatLogger(interval_s=3600)
+    caplog.set_level(logging.INFO, logger="tokenloom.metrics.stats")
+    stat_logger.record(SchedulerStats(4, 1, 0.5), IterationStats(engine_index=0))
+    stat_logger.record(SchedulerStats(2, 0, 0.1), IterationStats(engine_index=1))
+    stat_logger.record(SchedulerStats(3, 2, 0.3), IterationStats(engine_index=1))  # core 1 again
+    stat_logger.interval_s = 0.0
+    stat_logger.record(None, None)
+    (record,) = caplog.records
+    assert "running 7, waiting 3, KV cache usage 40.0%" in record.getMessage()

@@ -15,13 +15,15 @@ Failover: when core ``i`` dies, ``get_output`` raises ``CoreDeadError``
 ``restart_core(i)`` replaces core ``i`` in the background, under its own
 ``CoreSupervisor`` (each core has its own restart budget). A new core rejoins
 routing with an empty prefix index. Requests with no live core to go to wait
-in the client until one rejoins. Ray cores are not restarted: their requests
-just fail over.
+in the client until one rejoins. Both backends restart the same way: a local
+core as a new process, a Ray core as a new actor in the dead one's
+placement-group bundle (so on the same node).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import shutil
 import tempfile
@@ -46,7 +48,7 @@ from tokenloom.data_parallel.router import Router
 from tokenloom.engine.exceptions import CoreDeadError, EngineDeadError
 from tokenloom.engine.kv_events import TOPIC
 from tokenloom.engine.messages import CoreOutputs, EngineCoreRequest
-from tokenloom.engine.supervisor import CoreSupervisor
+from tokenloom.engine.supervisor import CoreSupervisor, client_starter
 
 logger = logging.getLogger(__name__)
 
@@ -104,15 +106,16 @@ class DPClient:
         clients: list[CoreClient],
         router: Router,
         events: KVEventSubscriber | None = None,
-        tmpdir: str | None = None,
+        cleanup: Callable[[], None] | None = None,
         supervisors: list[CoreSupervisor[CoreClient]] | None = None,
     ) -> None:
-        """``supervisors``: one per core, restarting it when it dies (None: no restarts)."""
+        """``cleanup``: run by ``shutdown`` after the cores' (the backend's shared resources);
+        ``supervisors``: one per core, restarting it when it dies (None: no restarts)."""
         self.clients = clients
         self.supervisors = supervisors
         self.router = router
         self._events = events
-        self._tmpdir = tmpdir
+        self._cleanup = cleanup
         self.num_blocks = 0
         self.max_model_len = 0
         self._ready: deque[CoreOutputs] = deque()
@@ -140,58 +143,44 @@ class DPClient:
         recovery: RecoveryConfig | None = None,
     ) -> DPClient:
         """Start the cores (they load in parallel); call ``wait_until_ready`` next.
-        ``recovery``: restart budget and back-off of each local core (Ray cores: none)."""
+        ``recovery``: each core's restart budget and back-off (None or 0: no restarts)."""
         size = parallel_config.data_parallel_size
         router = Router(size, load_balance, cache_config.block_size)
+        configs = (model_config, cache_config, scheduler_config, lora_config)
+        make: Callable[[int], CoreClient]
         if parallel_config.data_parallel_backend == "ray":
-            from tokenloom.data_parallel.ray_backend import launch_ray_cores, node_ip
+            from tokenloom.data_parallel.ray_backend import RayCores, node_ip
 
             events = KVEventSubscriber(f"tcp://{node_ip()}:0") if router.uses_kv_events else None
-            ray_clients = launch_ray_cores(
-                size,
-                model_config,
-                cache_config,
-                scheduler_config,
-                lora_config,
-                None if events is None else events.address,
+            cores = RayCores(size, *configs, None if events is None else events.address)
+            make, cleanup = cores.client, cores.remove
+        else:
+            from tokenloom.engine.core_client import MPClient
+
+            tmpdir = tempfile.mkdtemp(prefix="tokenloom-dp-")
+            cleanup = functools.partial(shutil.rmtree, tmpdir, ignore_errors=True)
+            events = (
+                KVEventSubscriber(f"ipc://{tmpdir}/kv-events") if router.uses_kv_events else None
             )
-            if recovery is not None and recovery.max_engine_restarts:
-                logger.warning(
-                    "Ray engine cores are not restarted: a dead one's requests fail over "
-                    "to the others (max_engine_restarts applies to local cores)"
-                )
-            return cls(list(ray_clients), router, events)
+            address = None if events is None else events.address
 
-        from tokenloom.engine.core_client import MPClient
-        from tokenloom.engine.supervisor import mp_client_starter
+            def make(index: int) -> CoreClient:
+                return MPClient(*configs, engine_index=index, kv_events_address=address)
 
-        tmpdir = tempfile.mkdtemp(prefix="tokenloom-dp-")
-        events = KVEventSubscriber(f"ipc://{tmpdir}/kv-events") if router.uses_kv_events else None
         clients: list[CoreClient] = []
         try:
             for index in range(size):
-                clients.append(
-                    MPClient(
-                        model_config,
-                        cache_config,
-                        scheduler_config,
-                        lora_config,
-                        engine_index=index,
-                        kv_events_address=None if events is None else events.address,
-                    )
-                )
+                clients.append(make(index))
         except BaseException:
-            cls(clients, router, events, tmpdir).shutdown()
+            cls(clients, router, events, cleanup).shutdown()
             raise
         supervisors: list[CoreSupervisor[CoreClient]] | None = None
         if recovery is not None and recovery.max_engine_restarts:
-            address = None if events is None else events.address
-            configs = (model_config, cache_config, scheduler_config, lora_config)
             supervisors = [
-                CoreSupervisor(recovery, mp_client_starter(*configs, index, address))
+                CoreSupervisor(recovery, client_starter(functools.partial(make, index)))
                 for index in range(size)
             ]
-        return cls(clients, router, events, tmpdir, supervisors)
+        return cls(clients, router, events, cleanup, supervisors)
 
     # ------------------------------------------------------------------ state
 
@@ -393,5 +382,5 @@ class DPClient:
             client.shutdown()
         if self._events is not None:
             self._events.close()
-        if self._tmpdir is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
+        if self._cleanup is not None:
+            self._cleanup()

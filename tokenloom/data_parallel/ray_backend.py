@@ -8,6 +8,8 @@ tokenloom installed on each). The front end joins the running cluster
 Everything between the front end and a core goes over ZMQ on ``tcp://``: each
 actor binds its input on its node's IP, the front end binds the output and KV
 event sockets on its own; Ray only places the actors and tells whether they live.
+A dead core is replaced by a new actor in its bundle (``RayCores.client``), through
+the same ``CoreSupervisor`` as a local core.
 """
 
 from __future__ import annotations
@@ -106,40 +108,54 @@ class EngineCoreActor:
         )
 
 
-def launch_ray_cores(
-    size: int,
-    model_config: ModelConfig,
-    cache_config: CacheConfig,
-    scheduler_config: SchedulerConfig,
-    lora_config: LoRAConfig | None,
-    kv_events_address: str | None,
-) -> list[RayCoreClient]:
-    """Place ``size`` core actors (they start loading at once); each gets a client."""
-    ray = _ray()
-    init_ray()
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+class RayCores:
+    """The placement group of the core actors: one bundle per core, spread over the nodes.
 
-    bundle = {"CPU": 1.0}
-    if model_config.device.startswith("cuda"):
-        bundle["GPU"] = 1.0
-    group = placement_group([dict(bundle) for _ in range(size)], strategy="SPREAD")
-    ray.get(group.ready(), timeout=300)
-    actor_class = ray.remote(EngineCoreActor)
-    clients = []
-    for index in range(size):
-        actor = actor_class.options(
-            num_cpus=bundle["CPU"],
-            num_gpus=bundle.get("GPU", 0),
+    ``client(i)`` places a core actor in bundle ``i`` (it starts loading at
+    once); a replacement for a dead core goes to the same bundle, so it lands on
+    the same node. ``remove()`` frees the group once every core is shut down.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        lora_config: LoRAConfig | None,
+        kv_events_address: str | None,
+    ) -> None:
+        ray = _ray()
+        init_ray()
+        from ray.util.placement_group import placement_group
+
+        self._bundle = {"CPU": 1.0}
+        if model_config.device.startswith("cuda"):
+            self._bundle["GPU"] = 1.0
+        self._group = placement_group([dict(self._bundle) for _ in range(size)], strategy="SPREAD")
+        ray.get(self._group.ready(), timeout=300)
+        self._actor_class = ray.remote(EngineCoreActor)
+        self._configs = (model_config, cache_config, scheduler_config, lora_config)
+        self._kv_events_address = kv_events_address
+
+    def client(self, index: int) -> RayCoreClient:
+        """A new core actor in bundle ``index``, and its client (``wait_until_ready`` next)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        actor = self._actor_class.options(
+            num_cpus=self._bundle["CPU"],
+            num_gpus=self._bundle.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=group, placement_group_bundle_index=index
+                placement_group=self._group, placement_group_bundle_index=index
             ),
             name=f"tokenloom-engine-core-{index}-{os.getpid()}-{time.monotonic_ns()}",
-        ).remote(
-            model_config, cache_config, scheduler_config, lora_config, index, kv_events_address
-        )
-        clients.append(RayCoreClient(actor, group if index == size - 1 else None))
-    return clients
+        ).remote(*self._configs, index, self._kv_events_address)
+        return RayCoreClient(actor)
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self._group)
 
 
 class RayCoreClient(MPClient):
@@ -150,10 +166,8 @@ class RayCoreClient(MPClient):
     ``MPClient.__init__`` (which spawns a process) is not called.
     """
 
-    def __init__(self, actor: Any, placement_group: Any | None = None) -> None:
-        """``placement_group``: removed by this client's ``shutdown`` (the last core's)."""
+    def __init__(self, actor: Any) -> None:
         self._actor = actor
-        self._placement_group = placement_group
         self._start_ref = actor.start.remote()
         self._serve_ref: Any = None
         self._async_context = zmq.asyncio.Context()
@@ -219,11 +233,7 @@ class RayCoreClient(MPClient):
             except zmq.ZMQError:
                 pass
             ray.wait([self._serve_ref], timeout=5)
-        ray.kill(self._actor)
-        if self._placement_group is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(self._placement_group)
+        ray.kill(self._actor)  # also when it reported an error and lives on, holding its bundle
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._sync_context.term()

@@ -38,7 +38,7 @@ from tokenloom.engine.protocol import ChatOptions, EngineClient, PromptType, Ren
 from tokenloom.engine.recovery import resumed_request
 from tokenloom.engine.supervisor import CoreSupervisor, mp_client_starter
 from tokenloom.lora_request import LoRARequest
-from tokenloom.metrics.stats import IterationStats, LoggingStatLogger, StatLogger
+from tokenloom.metrics.stats import IterationStats, LoggingStatLogger, StatLogger, engine_state
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.outputs import RequestOutput, SchedulerStats
 from tokenloom.sampling_params import SamplingParams
@@ -97,7 +97,8 @@ class AsyncLLM(EngineClient):
         self.output_processor = OutputProcessor(tokenizer)
         self.stat_loggers: list[StatLogger] = [LoggingStatLogger()] if engine_args.log_stats else []
         self.stat_loggers += stat_loggers or []
-        self.latest_scheduler_stats: SchedulerStats | None = None
+        # Each core's latest scheduler snapshot, by engine index (data parallel: several).
+        self._core_stats: dict[int, SchedulerStats] = {}
         self._dead: EngineDeadError | None = None
         self.supervisor = supervisor
         self._output_task: asyncio.Task[None] | None = None
@@ -191,6 +192,11 @@ class AsyncLLM(EngineClient):
     @property
     def dead_error(self) -> EngineDeadError:
         return self._dead or EngineDeadError()
+
+    @property
+    def latest_scheduler_stats(self) -> SchedulerStats | None:
+        """The engine's current state over all its live cores (``engine_state``)."""
+        return engine_state(self._core_stats.values())
 
     @property
     def num_running_requests(self) -> int:
@@ -353,6 +359,10 @@ class AsyncLLM(EngineClient):
         """Resume a dead data-parallel core's requests on the live cores now, and restart
         it in the background. False once no core is left and none can restart."""
         engine = error.engine_index
+        # Its requests are counted by the cores they go to; its own gauges read empty.
+        self._core_stats.pop(engine, None)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(SchedulerStats(), IterationStats(engine_index=engine))
         resumed = self.resumable_requests(client.release_core(engine))
         restarting = client.restart_core(
             engine, str(error), functools.partial(self._count_restart, engine)
@@ -393,7 +403,7 @@ class AsyncLLM(EngineClient):
             if processed.reqs_to_abort:
                 self.client.abort_requests(processed.reqs_to_abort)
         if outputs.scheduler_stats is not None:
-            self.latest_scheduler_stats = outputs.scheduler_stats
+            self._core_stats[result.engine_index] = outputs.scheduler_stats
         for stat_logger in self.stat_loggers:
             stat_logger.record(outputs.scheduler_stats, stats)
 

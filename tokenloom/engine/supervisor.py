@@ -11,9 +11,10 @@ reports itself degraded, not dead, and queues new requests for the new core.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from tokenloom.config import CacheConfig, LoRAConfig, ModelConfig, RecoveryConfig, SchedulerConfig
 from tokenloom.engine.core_client import MPClient
@@ -74,26 +75,23 @@ class CoreSupervisor(Generic[ClientT]):
             self.restarting = False
 
 
-def mp_client_starter(
-    model_config: ModelConfig,
-    cache_config: CacheConfig,
-    scheduler_config: SchedulerConfig,
-    lora_config: LoRAConfig | None,
-    engine_index: int = 0,
-    kv_events_address: str | None = None,
-) -> Callable[[], Awaitable[MPClient]]:
-    """An async factory of ready ``MPClient``s over these configs (the model loads in a thread);
-    ``engine_index``/``kv_events_address``: the data parallel core it replaces."""
+class StartingClient(Protocol):
+    """A client whose core is starting: ready after ``wait_until_ready``."""
 
-    async def start() -> MPClient:
-        client = MPClient(
-            model_config,
-            cache_config,
-            scheduler_config,
-            lora_config,
-            engine_index=engine_index,
-            kv_events_address=kv_events_address,
-        )
+    def wait_until_ready(self, timeout_s: float = ...) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+StartingT = TypeVar("StartingT", bound=StartingClient)
+
+
+def client_starter(make: Callable[[], StartingT]) -> Callable[[], Awaitable[StartingT]]:
+    """An async factory of ready clients: ``make()`` starts a core (a process or a Ray
+    actor), whose model loads while a thread waits; a core that fails to start is shut down."""
+
+    async def start() -> StartingT:
+        client = make()
         try:
             await asyncio.to_thread(client.wait_until_ready)
         except BaseException:
@@ -102,3 +100,16 @@ def mp_client_starter(
         return client
 
     return start
+
+
+def mp_client_starter(
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    lora_config: LoRAConfig | None,
+) -> Callable[[], Awaitable[MPClient]]:
+    """A starter of the one local core process over these configs (data parallel
+    cores have theirs from ``DPClient.launch``)."""
+    return client_starter(
+        functools.partial(MPClient, model_config, cache_config, scheduler_config, lora_config)
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -50,6 +51,20 @@ class IterationStats:
     num_engine_restarts: int = 0
 
 
+def engine_state(snapshots: Collection[SchedulerStats]) -> SchedulerStats | None:
+    """The engine's state from each core's latest snapshot (None: no step yet): requests
+    running and waiting summed over the cores, KV cache usage their mean (the data
+    parallel cores' caches are alike). A snapshot's per-step counters (prefix cache,
+    preemptions, drafts, grammars) are not carried: loggers count them as they arrive."""
+    if not snapshots:
+        return None
+    return SchedulerStats(
+        num_running_reqs=sum(s.num_running_reqs for s in snapshots),
+        num_waiting_reqs=sum(s.num_waiting_reqs for s in snapshots),
+        kv_cache_usage=sum(s.kv_cache_usage for s in snapshots) / len(snapshots),
+    )
+
+
 @runtime_checkable
 class StatLogger(Protocol):
     """Anything that wants the stats of every step (logging, Prometheus)."""
@@ -70,7 +85,8 @@ class LoggingStatLogger:
         self._generation_tokens = 0
         self._cache_queries = 0
         self._cache_hits = 0
-        self._latest: SchedulerStats | None = None
+        # Each core's latest snapshot, by engine index (data parallel: several).
+        self._latest: dict[int, SchedulerStats] = {}
         self._spec = SpecDecodingSummary()
 
     def record(
@@ -80,7 +96,8 @@ class LoggingStatLogger:
             self._prompt_tokens += iteration_stats.num_prompt_tokens
             self._generation_tokens += iteration_stats.num_generation_tokens
         if scheduler_stats is not None:
-            self._latest = scheduler_stats
+            engine = iteration_stats.engine_index if iteration_stats is not None else 0
+            self._latest[engine] = scheduler_stats
             self._cache_queries += scheduler_stats.prefix_cache_queries
             self._cache_hits += scheduler_stats.prefix_cache_hits
             self._spec.add(scheduler_stats.spec_decoding_stats)
@@ -90,7 +107,7 @@ class LoggingStatLogger:
 
     def _log(self, now: float) -> None:
         elapsed = max(now - self._last_log, 1e-9)
-        stats = self._latest or SchedulerStats()
+        stats = engine_state(self._latest.values()) or SchedulerStats()
         hit_rate = self._cache_hits / self._cache_queries if self._cache_queries else 0.0
         spec = ""
         if self._spec.num_drafts:
