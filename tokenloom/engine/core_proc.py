@@ -12,13 +12,13 @@ import logging
 import multiprocessing
 import os
 import signal
-import sys
 import traceback
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 import zmq
 
+from tokenloom import parent_death
 from tokenloom.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from tokenloom.engine.messages import (
     AbortRequests,
@@ -46,24 +46,6 @@ _PARENT_CHECK_STEPS = 64
 _STALLED_POLL_MS = 5
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill us when the parent dies (the liveness checks cover other cases).
-
-    Linux sends the signal when the *thread* that started us exits, so this is
-    only asked for when the main thread started the process.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except OSError:
-        pass
-
-
 def run_engine_core(
     model_config: ModelConfig,
     cache_config: CacheConfig,
@@ -81,8 +63,8 @@ def run_engine_core(
     ``kv_events_address``: where to publish KV cache events (data parallel
     routing), as core ``engine_index``; None publishes nothing.
     """
-    if die_with_parent:
-        _die_with_parent()
+    if die_with_parent:  # the main thread started us (see die_with_parent)
+        parent_death.die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's business
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     try:

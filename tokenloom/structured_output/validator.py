@@ -15,14 +15,12 @@ that lives as long as the pool.
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
-import signal
-import sys
 import threading
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
+from tokenloom.parent_death import die_with_parent
 from tokenloom.structured_output.params import StructuredOutputsParams
 
 
@@ -32,12 +30,10 @@ def _validate(params: StructuredOutputsParams) -> None:
     validate(params)
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _init_worker(parent_pid: int) -> None:
     """Pool initializer: SIGKILL this worker when its parent dies (Linux), or exit now if
     the parent is already gone (it may have died before the request took effect)."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    die_with_parent()
     if os.getppid() != parent_pid:
         os._exit(0)
 
@@ -62,7 +58,7 @@ class ConstraintValidator:
                 self._pool = ProcessPoolExecutor(
                     max_workers=1,
                     mp_context=context,
-                    initializer=_die_with_parent,
+                    initializer=_init_worker,
                     initargs=(os.getpid(),),
                 )
                 self._submitter = ThreadPoolExecutor(1, thread_name_prefix="tokenloom-validator")
