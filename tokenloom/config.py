@@ -55,7 +55,8 @@ class CacheConfig:
     # Share of free memory the KV cache may take when num_blocks is None.
     memory_fraction: float = 0.1
     # The KV cache's size in bytes (vLLM's kv_cache_memory_bytes), in place of the
-    # fraction: a size that does not depend on what else the machine holds.
+    # fraction: a size that does not depend on what else the machine holds
+    # (num_blocks, when given, still wins).
     memory_bytes: int | None = None
     # dtype K/V are stored in (vLLM's name); "auto": the model's dtype. A 16-bit
     # cache under a float32 model halves what decode attention reads.
@@ -77,11 +78,6 @@ class CacheConfig:
             self.memory_bytes is None or self.memory_bytes >= 1,
             "memory_bytes",
             f"must be None or >= 1, got {self.memory_bytes}",
-        )
-        _require(
-            self.memory_bytes is None or self.num_blocks is None,
-            "memory_bytes",
-            "cannot be combined with num_blocks (each sets the KV cache's size)",
         )
         _require(
             self.cache_dtype in ("auto", "float32", "bfloat16", "float16"),

@@ -34,7 +34,6 @@ def test_defaults_build_configs() -> None:
         ({"kv_cache_memory_fraction": 1.5}, "kv_cache_memory_fraction"),
         ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
         ({"kv_cache_memory_bytes": 1.5e9}, "kv_cache_memory_bytes"),
-        ({"kv_cache_memory_bytes": 1 << 20, "num_blocks": 8}, "kv_cache_memory_bytes"),
         ({"device": "tpu"}, "device"),
         ({"max_num_seqs": "8"}, "max_num_seqs"),
         ({"seed": 1.5}, "seed"),

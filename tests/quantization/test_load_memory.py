@@ -18,6 +18,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from tests.quantization.blocks import LlamaShape, random_gguf, write_tiny_gguf
 from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
+from tokenloom.engine.core import EngineCore
 from tokenloom.model.gguf_loader import GGUFTensor
 from tokenloom.model.kv_cache import kv_cache_bytes_per_block
 from tokenloom.model.loader import load_model
@@ -85,6 +86,7 @@ _CHILD = """
 import json, sys
 import torch
 from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
+from tokenloom.engine.core import EngineCore
 from tokenloom.quantization.linear import quantized_weight_bytes
 from tokenloom.worker.model_runner import ModelRunner
 
@@ -147,18 +149,23 @@ def test_kv_cache_sized_in_bytes(tmp_path: Path) -> None:
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, Q4_K_M)
     budget = 3 << 20
-    runner = ModelRunner(
-        ModelConfig(model=str(path), max_model_len=4096),
-        CacheConfig(block_size=16, memory_bytes=budget),
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+    model_config = ModelConfig(model=str(path), max_model_len=4096)
+    scheduler_config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)
+    core = EngineCore.from_config(
+        model_config, CacheConfig(block_size=16, memory_bytes=budget), scheduler_config
     )
-    per_block = kv_cache_bytes_per_block(runner.arch, 16, runner.kv_cache_dtype)
-    assert runner.num_blocks == budget // per_block
-    used = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
-    assert budget - per_block < used <= budget
+    try:
+        runner = core.runner
+        assert isinstance(runner, ModelRunner)
+        per_block = kv_cache_bytes_per_block(runner.arch, 16, runner.kv_cache_dtype)
+        assert core.num_blocks == runner.num_blocks == budget // per_block
+        used = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
+        assert budget - per_block < used <= budget
+    finally:
+        core.shutdown()
     with pytest.raises(ValueError, match="memory_bytes=1024 holds 0 blocks"):
         ModelRunner(
             ModelConfig(model=str(path), max_model_len=64),
             CacheConfig(block_size=16, memory_bytes=1024),
-            SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+            scheduler_config,
         )
