@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 import urllib.request
@@ -28,7 +27,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
-from _common import report, serving  # noqa: E402  (stdlib-only helpers of the peer workers)
+from _common import report, serving, tokenloom_serve_cmd  # noqa: E402  (stdlib-only helpers of the peer workers)
 
 
 def status_mb(pid: int) -> dict[str, float]:
@@ -87,10 +86,7 @@ def main() -> None:
     args = ap.parse_args()
 
     base_url = f"http://127.0.0.1:{args.port}"
-    serve_cmd = [
-        sys.executable, "-m", "tokenloom.entrypoints.cli", "serve",
-        "--host", "127.0.0.1", "--port", str(args.port), *shlex.split(args.serve_args),
-    ]  # fmt: skip
+    serve_cmd = tokenloom_serve_cmd(args.port, args.serve_args)
     with serving(serve_cmd, base_url, args.log, ROOT, timeout_s=args.timeout_s) as server:
         result = measure(args, base_url, server.pid)
     report(result, "benchmarks/serve_memory.py", args.json)

@@ -148,7 +148,7 @@ class TensorData:
         stays in the page cache); reading them again faults them back in."""
         start = info.offset - info.offset % mmap.PAGESIZE
         end = min(info.offset + info.nbytes, len(self._map))
-        if end > start:
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):  # not on Windows
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
