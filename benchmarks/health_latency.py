@@ -20,7 +20,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import random
-import shlex
 import signal
 import statistics
 import subprocess
@@ -35,7 +34,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
-from _common import report, serving  # noqa: E402  (stdlib-only helpers of the peer workers)
+from _common import report, serving, tokenloom_serve_cmd  # noqa: E402  (stdlib-only helpers of the peer workers)
 
 WORDS = "the of and to in is was for on that with as by at from his her an which are".split()
 
@@ -227,10 +226,7 @@ def main() -> None:
     args = ap.parse_args()
 
     base_url = f"http://127.0.0.1:{args.port}"
-    serve_cmd = [
-        sys.executable, "-m", "tokenloom.entrypoints.cli", "serve",
-        "--host", "127.0.0.1", "--port", str(args.port), *shlex.split(args.serve_args),
-    ]  # fmt: skip
+    serve_cmd = tokenloom_serve_cmd(args.port, args.serve_args)
     with serving(serve_cmd, base_url, args.log, ROOT, timeout_s=args.timeout_s) as server:
         result = measure(args, base_url, server.pid)
     report(result, "benchmarks/health_latency.py", args.json)

@@ -54,6 +54,14 @@ def weight_bytes_per_step(model: Any) -> int:
     LM head (the embedding gathers one row; norms are tiny)."""
     import torch
 
+    from tokenloom.quantization.linear import QuantLinear
+
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        # Quantized: every QuantLinear (projections and the head, tied or not) once.
+        seen = {
+            id(m.qweight): m.qweight.nbytes for m in model.modules() if isinstance(m, QuantLinear)
+        }
+        return sum(seen.values())
     total = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)

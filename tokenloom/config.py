@@ -54,6 +54,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Share of free memory the KV cache may take when num_blocks is None.
     memory_fraction: float = 0.1
+    # The KV cache's size in bytes (vLLM's kv_cache_memory_bytes), in place of the
+    # fraction: a size that does not depend on what else the machine holds
+    # (num_blocks, when given, still wins).
+    memory_bytes: int | None = None
     # dtype K/V are stored in (vLLM's name); "auto": the model's dtype. A 16-bit
     # cache under a float32 model halves what decode attention reads.
     cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -69,6 +73,11 @@ class CacheConfig:
             0.0 < self.memory_fraction <= 1.0,
             "memory_fraction",
             f"must be in (0, 1], got {self.memory_fraction}",
+        )
+        _require(
+            self.memory_bytes is None or self.memory_bytes >= 1,
+            "memory_bytes",
+            f"must be None or >= 1, got {self.memory_bytes}",
         )
         _require(
             self.cache_dtype in ("auto", "float32", "bfloat16", "float16"),

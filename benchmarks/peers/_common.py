@@ -80,6 +80,14 @@ def serving(
                 server.wait()
 
 
+def tokenloom_serve_cmd(port: int, serve_args: str) -> list[str]:
+    """``tokenloom serve`` on 127.0.0.1:``port`` with this interpreter, plus ``serve_args``."""
+    return [
+        sys.executable, "-m", "tokenloom.entrypoints.cli", "serve",
+        "--host", "127.0.0.1", "--port", str(port), *shlex.split(serve_args),
+    ]  # fmt: skip
+
+
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (what a figure was measured on)."""
     try:

@@ -14,7 +14,11 @@ Quantized blocks are random bytes with their fp16 scales overwritten by small
 finite values, so every weight is a valid, bounded number and the files
 dequantize to what a real file of that type would hold in structure. The
 tokenizer is the bundled SmolLM2 GGUF's (GPT-2 BPE), its vocabulary padded with
-unused tokens to 128256 so the embedding and head have the real shape.
+unused tokens to 128256 so the embedding and head have the real shape. The
+padding tokens are plain vocabulary entries (no merge produces them), as
+Llama 3's 128000 BPE tokens are: typed as added (user-defined) tokens, 79k of
+them made the Hugging Face tokenizer alone take 250 MB, which a real Llama-3
+tokenizer (256 added tokens) does not.
 Tensors are streamed to disk one at a time (the 8B file is ~4.6 GB).
 
     .venv/bin/python benchmarks/peers/make_gguf.py llama-1b llama-8b   # -> .bench/gguf/
@@ -122,7 +126,7 @@ def copy_tokenizer(writer: gguf.GGUFWriter, vocab: int) -> None:
     types = list(fields.pop("tokenizer.ggml.token_type"))
     pad = vocab - len(tokens)
     tokens += [f"<|unused_{i}|>" for i in range(pad)]
-    types += [int(gguf.TokenType.USER_DEFINED)] * pad
+    types += [int(gguf.TokenType.NORMAL)] * pad
     writer.add_tokenizer_model(fields.pop("tokenizer.ggml.model"))
     writer.add_tokenizer_pre(fields.pop("tokenizer.ggml.pre"))
     writer.add_token_list(tokens)

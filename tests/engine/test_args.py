@@ -32,6 +32,8 @@ def test_defaults_build_configs() -> None:
         ({"max_model_len": 0}, "max_model_len"),
         ({"kv_cache_memory_fraction": 0.0}, "kv_cache_memory_fraction"),
         ({"kv_cache_memory_fraction": 1.5}, "kv_cache_memory_fraction"),
+        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
+        ({"kv_cache_memory_bytes": 1.5e9}, "kv_cache_memory_bytes"),
         ({"device": "tpu"}, "device"),
         ({"max_num_seqs": "8"}, "max_num_seqs"),
         ({"seed": 1.5}, "seed"),
@@ -90,6 +92,8 @@ def test_cli_round_trip() -> None:
         max_logprobs=5,
     )
     assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs()
+    sized = EngineArgs.from_cli_args(parser.parse_args(["--kv-cache-memory-bytes", "1048576"]))
+    assert sized.create_configs()[1].memory_bytes == 1 << 20
 
 
 def test_chat_template_is_a_file_or_the_template_itself(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import gguf
 import numpy as np
@@ -34,13 +35,25 @@ def random_gguf(ggml_type: T, n: int, k: int, seed: int = 0, magnitude: float = 
     return blocks.reshape(n, -1)
 
 
+class LlamaShape(NamedTuple):
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+
 # A tiny llama: K-quants need 256-column rows, so hidden 256 and FFN 512.
-HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 512
+TINY = LlamaShape(hidden=256, ffn=512, layers=2, heads=4, kv_heads=2, vocab=512)
 
 
-def write_tiny_gguf(path: Path, types: dict[str, T], tied: bool = True, seed: int = 0) -> None:
-    """A random-weight llama GGUF; ``types`` maps each matrix's GGUF base name
-    (attn_q, ..., ffn_down, token_embd, output) to its quantized type."""
+def write_tiny_gguf(
+    path: Path, types: dict[str, T], tied: bool = True, seed: int = 0, shape: LlamaShape = TINY
+) -> None:
+    """A random-weight llama GGUF (of ``shape``); ``types`` maps each matrix's GGUF
+    base name (attn_q, ..., ffn_down, token_embd, output) to its quantized type."""
+    HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = shape  # noqa: N806
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(LAYERS)
     writer.add_context_length(8192)
@@ -65,17 +78,17 @@ def write_tiny_gguf(path: Path, types: dict[str, T], tied: bool = True, seed: in
         "ffn_down": (HIDDEN, FFN),
     }
 
-    def matrix(name: str, base: str, shape: tuple[int, int], magnitude: float = 0.1) -> None:
+    def matrix(name: str, base: str, rows_cols: tuple[int, int], magnitude: float = 0.1) -> None:
         seed = int(rng.integers(1 << 30))
-        raw = random_gguf(types[base], *shape, seed=seed, magnitude=magnitude)
+        raw = random_gguf(types[base], *rows_cols, seed=seed, magnitude=magnitude)
         writer.add_tensor(name, raw, raw_dtype=types[base])
 
     matrix("token_embd.weight", "token_embd", (VOCAB, HIDDEN), magnitude=1.0)
     for layer in range(LAYERS):
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(HIDDEN, np.float32))
-        for base, shape in shapes.items():
-            matrix(f"blk.{layer}.{base}.weight", base, shape)
+        for base, rows_cols in shapes.items():
+            matrix(f"blk.{layer}.{base}.weight", base, rows_cols)
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
     if not tied:
         matrix("output.weight", "output", (VOCAB, HIDDEN), magnitude=1.0)

@@ -6,9 +6,14 @@ import platform
 
 import pytest
 
-from tokenloom.worker.host_malloc import keep_freed_memory
+from tokenloom.worker.host_malloc import keep_freed_memory, release_freed_memory
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the tuning applies to glibc only")
 def test_keep_freed_memory_applies_on_glibc() -> None:
     assert keep_freed_memory() is True
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_release_freed_memory_trims_on_glibc() -> None:
+    assert release_freed_memory() is True

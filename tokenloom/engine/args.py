@@ -26,7 +26,11 @@ from tokenloom.config import (
 from tokenloom.default_model import DEFAULT_MODEL_NAME
 
 # Argument name -> the config field that holds it, where the two differ.
-_RENAMED = {"kv_cache_memory_fraction": "memory_fraction", "kv_cache_dtype": "cache_dtype"}
+_RENAMED = {
+    "kv_cache_memory_fraction": "memory_fraction",
+    "kv_cache_memory_bytes": "memory_bytes",
+    "kv_cache_dtype": "cache_dtype",
+}
 _INT_FIELDS = (
     "block_size",
     "max_num_seqs",
@@ -39,7 +43,7 @@ _INT_FIELDS = (
     "data_parallel_size",
     "dp_load_margin",
 )
-_OPTIONAL_INT_FIELDS = ("max_model_len", "num_blocks")
+_OPTIONAL_INT_FIELDS = ("max_model_len", "num_blocks", "kv_cache_memory_bytes")
 _BOOL_FIELDS = (
     "enable_prefix_caching",
     "enable_chunked_prefill",
@@ -66,6 +70,8 @@ class EngineArgs:
     policy: str = "fcfs"
     seed: int = 0
     kv_cache_memory_fraction: float = 0.1
+    # vLLM's name: the KV cache's size in bytes instead of a fraction of free memory.
+    kv_cache_memory_bytes: int | None = None
     device: str = "cpu"
     log_stats: bool = True
     served_model_name: str | None = None
@@ -170,6 +176,7 @@ class EngineArgs:
                 num_blocks=self.num_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
                 memory_fraction=float(self.kv_cache_memory_fraction),
+                memory_bytes=self.kv_cache_memory_bytes,
                 cache_dtype=self.kv_cache_dtype,  # type: ignore[arg-type]
             )
             scheduler_config = SchedulerConfig(
@@ -256,7 +263,8 @@ class EngineArgs:
             "--num-blocks",
             type=int,
             default=d.num_blocks,
-            help="KV cache blocks (default: sized from --kv-cache-memory-fraction)",
+            help="KV cache blocks (default: sized from --kv-cache-memory-bytes, else "
+            "--kv-cache-memory-fraction)",
         )
         group.add_argument(
             "--enable-prefix-caching",
@@ -277,6 +285,12 @@ class EngineArgs:
         group.add_argument("--seed", type=int, default=d.seed)
         group.add_argument(
             "--kv-cache-memory-fraction", type=float, default=d.kv_cache_memory_fraction
+        )
+        group.add_argument(
+            "--kv-cache-memory-bytes",
+            type=int,
+            default=d.kv_cache_memory_bytes,
+            help="KV cache size in bytes (default: --kv-cache-memory-fraction of free memory)",
         )
         group.add_argument("--device", type=str, default=d.device)
         group.add_argument(

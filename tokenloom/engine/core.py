@@ -26,6 +26,8 @@ from tokenloom.request import Request, RequestStatus
 from tokenloom.structured_output.manager import GrammarOutput, StructuredOutputManager
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
     from tokenloom.distributed.executor import MultiprocExecutor
 
 logger = logging.getLogger(__name__)
@@ -121,7 +123,6 @@ class EngineCore:
         over a ``MultiprocExecutor`` of worker processes when
         ``model_config.parallel_config.tensor_parallel_size`` > 1."""
         from tokenloom.distributed.executor import MultiprocExecutor
-        from tokenloom.model.tokenizer import load_tokenizer
         from tokenloom.worker.model_runner import ModelRunner
 
         started = time.monotonic()
@@ -131,9 +132,16 @@ class EngineCore:
         else:
             runner = ModelRunner(model_config, cache_config, scheduler_config, lora_config)
         model_path = runner.model_path
+
+        def load_tokenizer() -> PreTrainedTokenizerFast:
+            # On the first structured request, in the compile thread: transformers
+            # alone is 50 MB of resident memory a core without one never needs.
+            from tokenloom.model.tokenizer import load_tokenizer
+
+            return load_tokenizer(model_path)
+
         structured = StructuredOutputManager(
-            # Loaded on the first structured request, in the compile thread.
-            lambda: load_tokenizer(model_path),
+            load_tokenizer,
             runner.arch.vocab_size,
             runner.eos_token_ids,
         )

@@ -237,7 +237,8 @@ def _from_gguf(path: Path) -> ModelArchConfig:
     scaling_type = get("rope.scaling.type", "none")
     if "rope_freqs.weight" in tensors:
         info = tensors["rope_freqs.weight"]
-        factors = dequantize(gguf_file.raw_tensor(info), info.ggml_type).ravel().tolist()
+        with gguf_file.mapped() as data:
+            factors = dequantize(data.raw(info), info.ggml_type).ravel().tolist()
         rope_scaling = {"rope_type": "freq_factors", "factors": factors}
     elif scaling_type == "linear":
         rope_scaling = _normalise_rope(

@@ -71,7 +71,7 @@ class GGUFTensor:
     """One tensor as stored: block bytes still in the memory map, plus what it takes
     to turn them into our layout (rotate-half Q/K rows)."""
 
-    raw: np.ndarray  # uint8 [*outer dims, bytes per row]
+    raw: np.ndarray  # uint8 [*outer dims, bytes per row], in the file's memory map
     ggml_type: GGMLQuantizationType
     shape: tuple[int, ...]
     rope_heads: int | None  # llama Q/K: un-interleave rows over this many heads
@@ -95,19 +95,23 @@ class GGUFTensor:
 
 
 def iter_gguf_tensors(path: str | Path, arch: ModelArchConfig) -> Iterator[tuple[str, GGUFTensor]]:
-    """(hf_name, stored tensor) for every tensor the model loads."""
+    """(hf_name, stored tensor) for every tensor the model loads. Each tensor's
+    bytes are valid until the next one is asked for: its pages then leave the
+    resident set, and the file is unmapped when the iteration ends."""
     gguf_file = open_gguf(path)
     permute = gguf_file.metadata["general.architecture"] == "llama"
-    for info in gguf_file.tensors:
-        hf_name = gguf_to_hf_name(info.name)
-        if hf_name is None:
-            continue
-        heads = None
-        if permute and ".q_proj." in hf_name:
-            heads = arch.num_attention_heads
-        elif permute and ".k_proj." in hf_name:
-            heads = arch.num_key_value_heads
-        yield hf_name, GGUFTensor(gguf_file.raw_tensor(info), info.ggml_type, info.shape, heads)
+    with gguf_file.mapped() as data:
+        for info in gguf_file.tensors:
+            hf_name = gguf_to_hf_name(info.name)
+            if hf_name is None:
+                continue
+            heads = None
+            if permute and ".q_proj." in hf_name:
+                heads = arch.num_attention_heads
+            elif permute and ".k_proj." in hf_name:
+                heads = arch.num_key_value_heads
+            yield hf_name, GGUFTensor(data.raw(info), info.ggml_type, info.shape, heads)
+            data.release(info)
 
 
 def iter_gguf_weights(

@@ -4,7 +4,11 @@
 metadata array; with a 49k-token vocabulary that takes seconds (tens under
 load). This reader walks the header once with ``struct`` on an ``mmap`` and
 reads numeric arrays in bulk, so arch configs and tokenizer settings come back
-in milliseconds. Tensor data stays in the memory map until asked for.
+in milliseconds. The parsed header holds no mapping: tensor data is read
+through ``GGUFFile.mapped()``, whose pages a loader hands back tensor by tensor
+(``TensorData.release``) and which is unmapped when the load ends, so a file's
+pages do not stay in the process's resident memory beside the weights made
+from them.
 
 Format (GGUF v2/v3, little-endian): magic, version, tensor count, KV count; the
 KV pairs; per tensor its name, dims (innermost first), ggml type and offset;
@@ -13,9 +17,11 @@ then the data section at the next multiple of ``general.alignment``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,8 +59,12 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        with open(self.path, "rb") as handle:
-            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        with open(self.path, "rb") as handle, _map_file(handle.fileno()) as buf:
+            self._map = buf  # the header's parse only; nothing may keep a view of it
+            self._parse()
+        del self._map
+
+    def _parse(self) -> None:
         buf = self._map
         if buf[:4] != b"GGUF":
             raise ValueError(f"{self.path} is not a GGUF file (bad magic)")
@@ -113,12 +123,45 @@ class GGUFFile:
             raise ValueError(f"{self.path}: unknown GGUF value type {value_type}")
         return self._unpack(_SCALARS[value_type][0])[0]
 
-    def raw_tensor(self, info: GGUFTensorInfo) -> np.ndarray:
+    @contextlib.contextmanager
+    def mapped(self) -> Iterator[TensorData]:
+        """The file's tensor data, mapped for the duration of the ``with``."""
+        with open(self.path, "rb") as handle, _map_file(handle.fileno()) as buf:
+            yield TensorData(buf)
+
+
+class TensorData:
+    """Tensor bytes of a mapped GGUF file (``GGUFFile.mapped``)."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self._map = buf
+
+    def raw(self, info: GGUFTensorInfo) -> np.ndarray:
         """The tensor's bytes as uint8 [*outer dims, bytes per row] (what
-        ``gguf.quants.dequantize`` takes), still backed by the memory map."""
+        ``gguf.quants.dequantize`` takes), backed by the memory map."""
         data = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         rows = info.shape[:-1] if info.shape else ()
         return data.reshape(*rows, -1)
+
+    def release(self, info: GGUFTensorInfo) -> None:
+        """Drop the tensor's pages from this process's resident set (the file
+        stays in the page cache); reading them again faults them back in."""
+        start = info.offset - info.offset % mmap.PAGESIZE
+        end = min(info.offset + info.nbytes, len(self._map))
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):  # not on Windows
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+@contextlib.contextmanager
+def _map_file(fileno: int) -> Iterator[mmap.mmap]:
+    """A read-only map of the file, unmapped on exit unless a caller still holds a
+    view of it (then it is unmapped when the last view goes)."""
+    buf = mmap.mmap(fileno, 0, access=mmap.ACCESS_READ)
+    try:
+        yield buf
+    finally:
+        with contextlib.suppress(BufferError):
+            buf.close()
 
 
 @functools.lru_cache(maxsize=4)

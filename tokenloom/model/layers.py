@@ -192,9 +192,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
 
-    def build_cache(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Fill the table; called after the module is materialised on its device."""
-        freqs = rope_angles(self.head_dim, self.max_positions, self.theta, self.scaling)
+    def build_cache(
+        self, device: torch.device, dtype: torch.dtype, max_positions: int | None = None
+    ) -> None:
+        """Fill the table (its first ``max_positions`` rows, when given: a row does not
+        depend on the table's length); called once the module is on its device."""
+        positions = min(max_positions or self.max_positions, self.max_positions)
+        freqs = rope_angles(self.head_dim, positions, self.theta, self.scaling)
         freqs = freqs.to(device)
         factor = rope_attention_factor(self.scaling)
         self.cos_cache = (freqs.cos() * factor).to(dtype)

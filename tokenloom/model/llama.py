@@ -136,7 +136,13 @@ class CausalLM(nn.Module):
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        # An explicit (uninitialised) weight: Embedding's own normal_() init on the meta
+        # device imports torch._dynamo, 140 MB of resident memory for nothing.
+        self.embed_tokens = nn.Embedding(
+            arch.vocab_size,
+            arch.hidden_size,
+            _weight=torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype),
+        )
         self.layers = nn.ModuleList(
             self.layer_class(arch, dtype, i) for i in range(arch.num_hidden_layers)
         )
@@ -165,11 +171,15 @@ class CausalLM(nn.Module):
         # The packed head, or tensor parallelism's gathering one (distributed.parallel_layers).
         self.logits_head: nn.Module | None = None
 
-    def init_buffers(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Compute non-weight state (the RoPE table) once the model sits on its device."""
-        self.rotary.build_cache(device, dtype)
+    def init_buffers(
+        self, device: torch.device, dtype: torch.dtype, max_positions: int | None = None
+    ) -> None:
+        """Compute non-weight state (the RoPE tables, for ``max_positions`` positions
+        when the served context is shorter than the model's) once the model sits on
+        its device."""
+        self.rotary.build_cache(device, dtype, max_positions)
         if self.local_rotary is not None:
-            self.local_rotary.build_cache(device, dtype)
+            self.local_rotary.build_cache(device, dtype, max_positions)
 
     def prepack_weights(self) -> None:
         """Run every matmul, the LM head included, on MKL-packed weights (CPU, float32:

@@ -98,7 +98,7 @@ def load_model(
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint {path} lacks weights for {len(missing)} parameters: {shown}")
-    model.init_buffers(device, dtype)
+    model.init_buffers(device, dtype, model_config.max_model_len)
     model.eval()
     model.requires_grad_(False)
     if prepacking_available(device, dtype) and not quantization:

@@ -6,6 +6,13 @@ built on the meta device: every projection of ``model.layers``, the LM head and
 the embedding become ``QuantLinear``/``QuantEmbedding`` before anything is
 allocated, so the float weights never exist in full; norms and biases load as
 usual through ``model.load_weights``. The rest of the model computes in float32.
+
+Memory: a GGUF matrix is repacked a slice of rows at a time into its final
+buffers (``_repack``), so the load's temporaries stay at one slice's (unpacking a
+whole Q6_K [128256, 4096] head took 3 GB on top of the weights), fused
+projections are concatenated as soon as their parts are in (not all at the end,
+which held every fused matrix twice), and the reader hands each tensor's pages
+back once it is repacked (``gguf_loader.iter_gguf_tensors``).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from torch import nn
 
 from tokenloom.config import ModelConfig
 from tokenloom.model.arch_config import ModelArchConfig
-from tokenloom.model.gguf_loader import iter_gguf_tensors
+from tokenloom.model.gguf_loader import GGUFTensor, iter_gguf_tensors
 from tokenloom.model.llama import CausalLM
 from tokenloom.quantization.formats import (
     FLOAT_METHODS,
@@ -33,6 +40,7 @@ from tokenloom.quantization.linear import QuantEmbedding, QuantLinear
 
 _EMBED = "embed_tokens.weight"
 _HEAD = "lm_head.weight"
+_SLICE_WEIGHTS = 1 << 24  # weights repacked at a time (~100 MB of temporaries)
 
 
 def resolve_quantization(
@@ -96,6 +104,37 @@ def _owners(model: CausalLM) -> dict[str, tuple[nn.Module, str]]:
     return owners
 
 
+def _repack(tensor: GGUFTensor) -> QuantizedWeight:
+    """``from_gguf`` over slices of rows (rows are independent blocks), each copied
+    into the whole matrix's preallocated buffers."""
+    raw, qtype = tensor.raw_rows(), tensor.ggml_type
+    rows, cols = tensor.shape
+    step = max(1, _SLICE_WEIGHTS // cols)
+    first = from_gguf(raw[:step], qtype, (min(step, rows), cols))
+    if step >= rows:
+        return first
+
+    def whole(part: torch.Tensor) -> torch.Tensor:
+        return part.new_empty((rows, *part.shape[1:]))
+
+    out = QuantizedWeight(
+        bits=first.bits,
+        group=first.group,
+        in_features=cols,
+        qweight=whole(first.qweight),
+        scales=whole(first.scales),
+        mins=None if first.mins is None else whole(first.mins),
+    )
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        part = first if start == 0 else from_gguf(raw[start:stop], qtype, (stop - start, cols))
+        out.qweight[start:stop] = part.qweight
+        out.scales[start:stop] = part.scales
+        if out.mins is not None and part.mins is not None:
+            out.mins[start:stop] = part.mins
+    return out
+
+
 def _quantized_stream(
     path: Path,
     arch: ModelArchConfig,
@@ -111,7 +150,7 @@ def _quantized_stream(
             if target is None or target[0] not in wanted:
                 yield hf_name, tensor.dequantize()
             elif tensor.ggml_type in GGUF_TYPES:
-                yield hf_name, from_gguf(tensor.raw_rows(), tensor.ggml_type, tensor.shape)
+                yield hf_name, _repack(tensor)
             else:  # an F16/F32 matrix in a quantized file: 8 bits per weight
                 yield hf_name, quantize_float(tensor.dequantize(), "int8")
         return
@@ -136,29 +175,28 @@ def load_quantized(
     model.to_empty(device=device)
 
     map_name = model._map_name  # HF name -> (our parameter, row offset, parts)
-    parts: dict[str, list[tuple[int, QuantizedWeight]]] = {}
-    expected: dict[str, int] = {}
+    pending: dict[str, list[tuple[int, QuantizedWeight]]] = {}
+    weights: dict[str, QuantizedWeight] = {}
 
     def floats(stream: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:
         for hf_name, value in stream:
             target = map_name(hf_name)
             if isinstance(value, QuantizedWeight) and target is not None:
                 name, offset, count = target
-                parts.setdefault(name, []).append((offset or 0, value))
-                expected[name] = count
+                got = pending.setdefault(name, [])
+                got.append((offset or 0, value))
+                if len(got) == count:  # fused now, so its parts are gone before the next
+                    del pending[name]
+                    weights[name] = concat_rows([w for _, w in sorted(got, key=lambda p: p[0])])
             else:
                 yield hf_name, value
 
     filled = model.load_weights(
         floats(_quantized_stream(path, arch, method, set(owners), map_name))
     )
-    missing = sorted(name for name in owners if len(parts.get(name, [])) != expected.get(name))
+    missing = sorted(name for name in owners if name not in weights or name in pending)
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights for {', '.join(missing[:5])}")
-    weights = {
-        name: concat_rows([w for _, w in sorted(parts[name], key=lambda p: p[0])])
-        for name in owners
-    }
     for name, (parent, attr) in owners.items():
         bias = getattr(parent, attr).bias
         module = (

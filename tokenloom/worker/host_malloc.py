@@ -7,12 +7,19 @@ freed heap tops are trimmed back with ``sbrk``; on the default model that kernel
 work took as much CPU time as the model itself (sys 55 s vs user 76 s on the
 shared-prefix benchmark, and twice the wall time). Raising the thresholds keeps
 freed memory in the heap for the next step, as a caching allocator does on GPU.
+
+Loading is the opposite case: its temporaries (a GGUF tensor's unpacked codes,
+float copies) are freed once, between the weights that stay, and would hold
+hundreds of MB of heap. So the runner hands them back with
+``release_freed_memory`` (``malloc_trim``) after loading, and only then keeps
+freed memory for the steps.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 
 # mallopt() parameters, from glibc's <malloc.h>.
@@ -24,19 +31,36 @@ _KEEP_BYTES = 1 << 30  # serve allocations up to 1 GiB from the heap, keep 1 GiB
 _TOP_PAD_BYTES = 64 << 20  # grow the heap in 64 MiB steps
 
 
-def keep_freed_memory() -> bool:
-    """Tune glibc malloc for a step loop; False (and no change) off glibc."""
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     name = ctypes.util.find_library("c")
     if name is None:
-        return False
+        return None
     libc = ctypes.CDLL(name)
     if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
-        return False  # musl and others: leave their allocator alone
+        return None  # musl and others: leave their allocator alone
+    return libc
+
+
+def keep_freed_memory() -> bool:
+    """Tune glibc malloc for a step loop; False (and no change) off glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
     settings = (
         (_M_MMAP_THRESHOLD, _KEEP_BYTES),
         (_M_TRIM_THRESHOLD, _KEEP_BYTES),
         (_M_TOP_PAD, _TOP_PAD_BYTES),
     )
     return all(libc.mallopt(param, value) == 1 for param, value in settings)
+
+
+def release_freed_memory() -> bool:
+    """Return every free page of glibc's heaps to the kernel; False off glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True

@@ -36,7 +36,7 @@ from tokenloom.spec_decode.speculator import Speculator
 from tokenloom.spec_decode.verifier import verify
 from tokenloom.structured_output.manager import GrammarOutput
 from tokenloom.worker.grammar_bitmask import apply_grammar_bitmask
-from tokenloom.worker.host_malloc import keep_freed_memory
+from tokenloom.worker.host_malloc import keep_freed_memory, release_freed_memory
 from tokenloom.worker.input_batch import InputBatch
 from tokenloom.worker.sampler import Sampler
 from tokenloom.worker.sampling_metadata import SamplingMetadata
@@ -81,8 +81,8 @@ class ModelRunner:
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.block_size = cache_config.block_size
-        if torch.device(model_config.device).type == "cpu":
-            keep_freed_memory()
+        on_cpu = torch.device(model_config.device).type == "cpu"
+        if on_cpu:
             bind_threads_to_cores()
 
         loaded = load_model(model_config, shard, float_weights=lora_config is not None)
@@ -109,6 +109,9 @@ class ModelRunner:
                 self.max_model_len,
                 generator,
             )
+        if on_cpu:  # the load's temporaries go back before sizing; the steps' stay
+            release_freed_memory()
+            keep_freed_memory()
         self.num_blocks = self._num_kv_blocks()
         if shard is not None:
             from tokenloom.distributed.communication import all_reduce_min
@@ -138,8 +141,9 @@ class ModelRunner:
         self._last_index: dict[str, int] = {}
 
     def _num_kv_blocks(self) -> int:
-        """Explicit ``num_blocks``, else ``memory_fraction`` of free memory, capped at
-        what ``max_num_seqs`` full-length requests could use (+1 for the null block).
+        """Explicit ``num_blocks``, else ``memory_bytes`` or ``memory_fraction`` of free
+        memory, capped at what ``max_num_seqs`` full-length requests could use (+1 for
+        the null block).
 
         A draft model's KV cache shares the fraction: it holds a copy of every
         block (and its scratch blocks), so each block costs both models' bytes."""
@@ -156,7 +160,7 @@ class ModelRunner:
             free = torch.cuda.mem_get_info(self.device)[0]
         else:
             free = psutil.virtual_memory().available
-        budget = int(free * self.cache_config.memory_fraction)
+        budget = self.cache_config.memory_bytes or int(free * self.cache_config.memory_fraction)
         if self.speculator is not None:
             draft_fixed = self.speculator.kv_cache_bytes(0)  # linear in the block count
             per_block += self.speculator.kv_cache_bytes(1) - draft_fixed
@@ -165,10 +169,14 @@ class ModelRunner:
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         num_blocks = min(num_blocks, self.scheduler_config.max_num_seqs * blocks_per_seq + 1)
         if num_blocks < 2:
+            given = (
+                f"memory_bytes={self.cache_config.memory_bytes}"
+                if self.cache_config.memory_bytes
+                else f"memory_fraction={self.cache_config.memory_fraction} of {free} free bytes"
+            )
             raise ValueError(
-                f"not enough memory for the KV cache: memory_fraction="
-                f"{self.cache_config.memory_fraction} of {free} free bytes holds {num_blocks} "
-                f"blocks of {per_block} bytes; raise memory_fraction or set num_blocks"
+                f"not enough memory for the KV cache: {given} holds {num_blocks} "
+                f"blocks of {per_block} bytes; raise it or set num_blocks"
             )
         return num_blocks
 
