@@ -33,8 +33,9 @@
 // first unpacks the 32 rows' codes and per-lane scales into a buffer that stays
 // in L1/L2 and runs chunks of activation rows against them. Tiles of four output
 // by four activation rows keep one float accumulator per pair in a register (the
-// int32 dot of each step is scaled by ws * xs and added to it). Without AVX2 the
-// build fails and kernels.py falls back to dequantizing.
+// int32 dot of each step is scaled by ws * xs and added to it). A single
+// activation row takes the float path below instead (float_row). Without AVX2
+// the build fails and kernels.py falls back to dequantizing.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -42,6 +43,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 
 #include "../../model/csrc/vec.h"
@@ -388,6 +390,77 @@ void run(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t n_out, 
   });
 }
 
+// One activation row (decode) measured faster without int8 activations: each
+// thread dequantizes four output rows at a time into an L1 buffer and runs a
+// float dot product on them (the weights' memory traffic is the same; this
+// does less arithmetic per weight than unpacking for vpdpbusd and needs no
+// activation pass or min matmul). Results are the dequantized weights' exactly.
+typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
+
+// Byte lanes to floats through 32-bit integers: a direct conversion compiles
+// to one scalar conversion per lane.
+inline vec bytes_to_float(u8x16 bytes) {
+  return __builtin_convertvector(__builtin_convertvector(bytes, ivec), vec);
+}
+
+// Sixteen int8 codes to floats by sign-extending loads (GCC's generic
+// conversion of signed bytes is scalar).
+inline vec load_i8(const int8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  return reinterpret_cast<const vec&>(f);
+#else
+  const __m256 halves[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
+  vec v;
+  std::memcpy(&v, halves, sizeof(v));
+  return v;
+#endif
+}
+
+void dequant_row(const QuantWeight& w, int64_t n, float* dst) {
+  const float* s = w.scales + n * w.row_groups;
+  const float* m = w.mins ? w.mins + n * w.row_groups : nullptr;
+  const uint8_t* row = w.q + n * w.row_bytes;
+  if (w.bits == 4) {
+    for (int64_t b = 0; b < w.k_pad / kBlock; ++b) {
+      const u8x16 bytes = *reinterpret_cast<const u8x16*>(row + 16 * b);
+      const float offset = m ? m[b] : 0.0f;
+      store(dst + 32 * b, bytes_to_float(bytes & 15) * s[b] + offset);
+      store(dst + 32 * b + 16, bytes_to_float(bytes >> 4) * s[b] + offset);
+    }
+    return;
+  }
+  const int8_t* codes = reinterpret_cast<const int8_t*>(row);
+  for (int64_t g = 0; g < w.k_pad / w.group; ++g) {
+    const float offset = m ? m[g] : 0.0f;
+    for (int64_t c = g * w.group; c < (g + 1) * w.group; c += kLanes) {
+      store(dst + c, load_i8(codes + c) * s[g] + offset);
+    }
+  }
+}
+
+void float_row(const QuantWeight& w, const float* x, int64_t n_out, float* out) {
+  const int64_t k_pad = w.k_pad;
+  at::parallel_for(0, (n_out + kRowBlock - 1) / kRowBlock, 1, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<float[]> buf(new float[kRowBlock * k_pad]);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kRowBlock;
+      const int64_t count = std::min(kRowBlock, n_out - n0);
+      for (int64_t j = 0; j < kRowBlock; ++j) {
+        dequant_row(w, n0 + std::min(j, count - 1), buf.get() + j * k_pad);
+      }
+      vec acc[kRowBlock] = {};
+      for (int64_t k = 0; k < k_pad; k += kLanes) {
+        const vec xv = load(x + k);
+        for (int64_t j = 0; j < kRowBlock; ++j) acc[j] += xv * load(buf.get() + j * k_pad + k);
+      }
+      for (int64_t j = 0; j < count; ++j) out[n0 + j] = lane_sum(acc[j]);
+    }
+  });
+}
+
 void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight,
                   const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t bits,
                   int64_t group) {
@@ -412,6 +485,15 @@ void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight
                       reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
                       scales.data_ptr<float>(),
                       mins.has_value() ? mins->data_ptr<float>() : nullptr};
+  if (rows == 1) {
+    at::Tensor xp = xc;
+    if (x.size(1) != k_pad) {
+      xp = at::zeros({1, k_pad}, x.options());
+      xp.narrow(1, 0, x.size(1)).copy_(x);
+    }
+    float_row(w, xp.contiguous().data_ptr<float>(), n_out, out.data_ptr<float>());
+    return;
+  }
   const QuantActs acts = quantize_acts(xc.data_ptr<float>(), rows, x.size(1), xc.stride(0), w);
   if (bits == 4) {
     run<4>(w, acts, rows, n_out, out.data_ptr<float>());
