@@ -4,8 +4,8 @@ supported type (random bytes with sane fp16 scales, checked against
 (bits, group, mins) layout with random codes, on odd shapes (K not a multiple
 of 32, N odd) and 1 to 130 rows.
 
-The native kernel quantizes the activations to int8 per 8 columns, so it is
-compared exactly (float64, 1e-4 relative) with a reference that quantizes them
+From 2 to 31 rows the native kernel quantizes the activations to int8 per 8
+columns, so it is compared exactly (float64, 1e-4 relative) with a reference that quantizes them
 the same way, and with the dequantized float reference within the error that
 activation rounding can cause (half a step per element); the torch fallback
 matches the dequantized reference to float32 summation order."""
@@ -29,6 +29,7 @@ from tokenloom.quantization.formats import (
 from tokenloom.quantization.kernels import native_available, quant_matmul
 
 ACT_GROUP = 8  # activation columns per int8 scale in the native kernel
+GEMM_ROWS = 32  # from this many rows the kernel runs float32 GEMMs on dequantized tiles
 
 
 def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor, tol: float = 2e-5) -> None:
@@ -56,12 +57,13 @@ def quantized_activations(x: torch.Tensor, k_pad: int) -> tuple[torch.Tensor, to
 
 def check_native(x: torch.Tensor, weight: QuantizedWeight) -> None:
     """The native kernel against its exact reference and, within the activation
-    rounding's bound, the dequantized float reference. One row (decode) runs in
-    float32 on the dequantized weights; more rows with int8 activations."""
+    rounding's bound, the dequantized float reference. One row (decode) and
+    GEMM_ROWS rows or more run in float32 on the dequantized weights; the rows
+    between with int8 activations."""
     assert native_available()
     out = quant_matmul(x, weight).double()
     w = weight.dequantize().double()
-    if x.shape[0] == 1:
+    if x.shape[0] == 1 or x.shape[0] >= GEMM_ROWS:
         assert_close_fp32(out, F.linear(x.double(), w))
         return
     xq, half_step = quantized_activations(x, weight.scales.shape[1] * weight.group)
@@ -80,7 +82,7 @@ def test_gguf_layouts_reproduce_dequantized_weights(ggml_type: T) -> None:
 
 
 @pytest.mark.parametrize("ggml_type", GGUF_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 33, 130])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 31, 32, 33, 130])
 def test_native_kernel_matches_reference(ggml_type: T, rows: int) -> None:
     n, k = 37, 256 * 3
     weight = from_gguf(random_gguf(ggml_type, n, k, seed=rows), ggml_type, (n, k))

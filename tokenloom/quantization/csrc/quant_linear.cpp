@@ -34,7 +34,8 @@
 // in L1/L2 and runs chunks of activation rows against them. Tiles of four output
 // by four activation rows keep one float accumulator per pair in a register (the
 // int32 dot of each step is scaled by ws * xs and added to it). A single
-// activation row takes the float path below instead (float_row). Without AVX2
+// activation row takes the float path below instead (float_row), and so do
+// kGemmRows rows and more (tiled_gemm: dequantized tiles through at::mm). Without AVX2
 // the build fails and kernels.py falls back to dequantizing.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -461,6 +462,38 @@ void float_row(const QuantWeight& w, const float* x, int64_t n_out, float* out) 
   });
 }
 
+// From kGemmRows activation rows up (prefill, large decode batches), dequantizing
+// tiles of output rows into float32 and handing each to at::mm beats the integer
+// kernel: a tile's dequantization is spread over many rows and MKL's sgemm runs at
+// about twice our int8 throughput at these sizes (benchmarks/quant_kernels.py).
+// Tiles of up to kTileRows rows stay in cache; small matrices get smaller tiles,
+// so that every thread has two or more.
+constexpr int64_t kGemmRows = 32;
+constexpr int64_t kTileRows = 256;
+
+void tiled_gemm(const QuantWeight& w, const at::Tensor& xp, int64_t n_out, float* out) {
+  const int64_t rows = xp.size(0);
+  const int64_t k_pad = w.k_pad;
+  const int64_t per_thread = (n_out + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads());
+  const int64_t tile_rows = std::clamp<int64_t>((per_thread + 15) / 16 * 16, 16, kTileRows);
+  at::parallel_for(0, (n_out + tile_rows - 1) / tile_rows, 1, [&](int64_t begin, int64_t end) {
+    at::Tensor tile = at::empty({tile_rows, k_pad}, xp.options());
+    float* tile_ptr = tile.data_ptr<float>();
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * tile_rows;
+      const int64_t count = std::min(tile_rows, n_out - n0);
+      for (int64_t j = 0; j < count; ++j) dequant_row(w, n0 + j, tile_ptr + j * k_pad);
+      // Copied by hand: worker threads do not run in the caller's inference mode,
+      // so ATen may not write to `out` there.
+      const at::Tensor part = at::mm(xp, tile.narrow(0, 0, count).t()).contiguous();
+      const float* part_ptr = part.data_ptr<float>();
+      for (int64_t r = 0; r < rows; ++r) {
+        std::copy(part_ptr + r * count, part_ptr + (r + 1) * count, out + r * n_out + n0);
+      }
+    }
+  });
+}
+
 void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight,
                   const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t bits,
                   int64_t group) {
@@ -485,13 +518,18 @@ void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight
                       reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
                       scales.data_ptr<float>(),
                       mins.has_value() ? mins->data_ptr<float>() : nullptr};
-  if (rows == 1) {
+  if (rows == 1 || rows >= kGemmRows) {
     at::Tensor xp = xc;
     if (x.size(1) != k_pad) {
-      xp = at::zeros({1, k_pad}, x.options());
+      xp = at::zeros({rows, k_pad}, x.options());
       xp.narrow(1, 0, x.size(1)).copy_(x);
     }
-    float_row(w, xp.contiguous().data_ptr<float>(), n_out, out.data_ptr<float>());
+    xp = xp.contiguous();
+    if (rows == 1) {
+      float_row(w, xp.data_ptr<float>(), n_out, out.data_ptr<float>());
+    } else {
+      tiled_gemm(w, xp, n_out, out.data_ptr<float>());
+    }
     return;
   }
   const QuantActs acts = quantize_acts(xc.data_ptr<float>(), rows, x.size(1), xc.stride(0), w);
