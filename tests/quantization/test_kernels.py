@@ -1,7 +1,14 @@
-"""Each layout and the native kernel against the dequantized reference: GGUF
-blocks of every supported type (random bytes with sane fp16 scales, checked
-against ``gguf.quants.dequantize``), float weights quantized to int8/int4 with
-odd shapes (K not a multiple of 32, N odd), 1 to 130 rows (both kernel paths)."""
+"""Each layout and the native kernel against its references: GGUF blocks of every
+supported type (random bytes with sane fp16 scales, checked against
+``gguf.quants.dequantize``), float weights quantized to int8/int4, and every
+(bits, group, mins) layout with random codes, on odd shapes (K not a multiple
+of 32, N odd) and 1 to 130 rows.
+
+From 2 to 31 rows the native kernel quantizes the activations to int8 per 8
+columns, so it is compared exactly (float64, 1e-4 relative) with a reference that quantizes them
+the same way, and with the dequantized float reference within the error that
+activation rounding can cause (half a step per element); the torch fallback
+matches the dequantized reference to float32 summation order."""
 
 from __future__ import annotations
 
@@ -21,11 +28,49 @@ from tokenloom.quantization.formats import (
 )
 from tokenloom.quantization.kernels import native_available, quant_matmul
 
+ACT_GROUP = 8  # activation columns per int8 scale in the native kernel
+GEMM_ROWS = 32  # from this many rows the kernel runs float32 GEMMs on dequantized tiles
 
-def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor) -> None:
+
+def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor, tol: float = 2e-5) -> None:
     """Equal up to float32 accumulation error, measured against the output's scale."""
     scale = float(expected.abs().max()) + 1e-6
-    torch.testing.assert_close(actual.double(), expected.double(), rtol=0, atol=2e-5 * scale)
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=0, atol=tol * scale)
+
+
+def quantized_activations(x: torch.Tensor, k_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernel computes with: x rounded to int8 per ACT_GROUP columns
+    (scale max|x| / 127, ties to even), as float64, and half a step per element."""
+    rows, k = x.shape
+    padded = torch.zeros(rows, k_pad)
+    padded[:, :k] = x
+    blocks = padded.view(rows, -1, ACT_GROUP)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.where(scale > 0, torch.round(blocks / safe), torch.zeros_like(blocks))
+    half_step = (scale / 2).expand_as(blocks)
+    return (
+        (codes.double() * scale.double()).reshape(rows, k_pad)[:, :k],
+        half_step.double().reshape(rows, k_pad)[:, :k],
+    )
+
+
+def check_native(x: torch.Tensor, weight: QuantizedWeight) -> None:
+    """The native kernel against its exact reference and, within the activation
+    rounding's bound, the dequantized float reference. One row (decode) and
+    GEMM_ROWS rows or more run in float32 on the dequantized weights; the rows
+    between with int8 activations."""
+    assert native_available()
+    out = quant_matmul(x, weight).double()
+    w = weight.dequantize().double()
+    if x.shape[0] == 1 or x.shape[0] >= GEMM_ROWS:
+        assert_close_fp32(out, F.linear(x.double(), w))
+        return
+    xq, half_step = quantized_activations(x, weight.scales.shape[1] * weight.group)
+    expected = F.linear(xq, w)
+    assert_close_fp32(out, expected, tol=1e-4)
+    bound = F.linear(half_step, w.abs()) + 2e-5 * (float(expected.abs().max()) + 1e-6)
+    assert bool(((out - F.linear(x.double(), w)).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("ggml_type", GGUF_TYPES, ids=lambda t: t.name)
@@ -37,14 +82,39 @@ def test_gguf_layouts_reproduce_dequantized_weights(ggml_type: T) -> None:
 
 
 @pytest.mark.parametrize("ggml_type", GGUF_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33, 130])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 31, 32, 33, 130])
 def test_native_kernel_matches_reference(ggml_type: T, rows: int) -> None:
-    assert native_available()
     n, k = 37, 256 * 3
     weight = from_gguf(random_gguf(ggml_type, n, k, seed=rows), ggml_type, (n, k))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    check_native(x, weight)
     expected = F.linear(x.double(), weight.dequantize().double()).float()
-    assert_close_fp32(quant_matmul(x, weight), expected)
+    assert_close_fp32(quant_matmul(x, weight, native=False), expected)
+
+
+@pytest.mark.parametrize(
+    ("bits", "group", "with_mins"),
+    [(4, 32, True), (4, 32, False), (8, 32, False), (8, 32, True), (8, 16, False), (8, 16, True)],
+)
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 45), (37, 96), (70, 200)])
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 17, 130])
+def test_every_layout_on_odd_shapes(
+    bits: int, group: int, with_mins: bool, n: int, k: int, rows: int
+) -> None:
+    """Random codes over the full range (int8 -128..127, nibbles 0..15), zero
+    padding past K, random scales and mins; x has some all-zero blocks."""
+    gen = torch.Generator().manual_seed(n * k + rows + bits + group)
+    k_pad = -(-k // 32) * 32
+    if bits == 4:
+        qweight = torch.randint(0, 256, (n, k_pad // 2), generator=gen, dtype=torch.uint8)
+    else:
+        qweight = torch.randint(-128, 128, (n, k_pad), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, k_pad // group, generator=gen) * 0.02
+    mins = -torch.rand(n, k_pad // group, generator=gen) * 0.1 if with_mins else None
+    weight = QuantizedWeight(bits, group, k, qweight, scales, mins)
+    x = torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 10
+    x[::3, :32] = 0
+    check_native(x, weight)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -60,9 +130,8 @@ def test_float_quantization_odd_shapes(method: str, n: int, k: int, rows: int) -
     step = weight.scales.repeat_interleave(weight.group, dim=1)[:, :k]
     assert bool(((deq - w).abs() <= step / 2 + 1e-6).all())
     x = torch.randn(rows, k, generator=gen)
-    expected = F.linear(x.double(), deq.double()).float()
-    assert_close_fp32(quant_matmul(x, weight), expected)
-    assert_close_fp32(quant_matmul(x, weight, native=False), expected)
+    check_native(x, weight)
+    assert_close_fp32(quant_matmul(x, weight, native=False), F.linear(x.double(), deq.double()))
 
 
 def test_mixed_layouts_concatenate_exactly() -> None:
@@ -74,8 +143,7 @@ def test_mixed_layouts_concatenate_exactly() -> None:
     fused = concat_rows(parts)
     assert (fused.bits, fused.group) == (8, 16)
     torch.testing.assert_close(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
-    x = torch.randn(2, 256)
-    assert_close_fp32(quant_matmul(x, fused), x.double() @ fused.dequantize().double().T)
+    check_native(torch.randn(2, 256), fused)
 
 
 def test_embedding_gather_dequantizes_only_requested_rows() -> None:

@@ -1,8 +1,10 @@
 """The native quantized matmul (``csrc/quant_linear.cpp``), built on first use as its
 own extension ``tokenloom_quant`` (cached like ``model.cpu_kernels``'s, keyed by
-the CPU's flags and this checkout). Without a compiler, after a failed build or
-with ``TOKENLOOM_CPU_KERNELS=0``, ``quant_matmul`` dequantizes and uses
-``F.linear`` instead: same results, slower, and the float weights exist for the
+the CPU's flags and this checkout). It rounds the activations to int8 (a scale
+per 8 columns) and uses integer dot products (AVX-512 VNNI, AVX-VNNI or AVX2).
+Without AVX2 or a compiler, after a failed build or with
+``TOKENLOOM_CPU_KERNELS=0``, ``quant_matmul`` dequantizes and uses ``F.linear``
+instead: float activations, slower, and the float weights exist for the
 duration of the call.
 """
 
