@@ -109,11 +109,19 @@ def _run(runner: ModelRunner, spec: SpeculativeConfig | None, tag: str) -> dict:
 
 def _runner(spec: SpeculativeConfig) -> ModelRunner:
     torch.manual_seed(0)
-    return ModelRunner(
+    runner = ModelRunner(
         ModelConfig(dtype="float32", max_model_len=512),
         CacheConfig(block_size=BLOCK, num_blocks=NUM_BLOCKS),
         SchedulerConfig(max_num_seqs=MAX_SEQS, speculative_config=spec),
     )
+    # The draft budget fits step costs from wall-clock times; feed it a fixed cost
+    # instead, so how many drafts each step takes (and so whether the batch below
+    # preempts) does not depend on the machine's speed or load.
+    speculator = runner.speculator
+    assert speculator is not None
+    observe = speculator.observe_step
+    speculator.observe_step = lambda tokens, seconds: observe(tokens, 0.02 + 0.001 * tokens)  # type: ignore[method-assign]
+    return runner
 
 
 def _check_same_greedy_outputs(reference: dict, speculative: dict) -> None:
