@@ -36,7 +36,7 @@ def server(
 
 @pytest.fixture(scope="module")
 def client(server: RemoteServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=300) as c:
+    with server.openai_client(timeout=300) as c:
         yield c
 
 

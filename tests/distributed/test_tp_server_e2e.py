@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import psutil
 import pytest
 
@@ -49,7 +48,7 @@ def test_greedy_completions_match_tp1_and_workers_stop_with_the_server(
         expected = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     finally:
         llm.client.shutdown()
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120) as client:
+    with server.openai_client(timeout=120) as client:
         for prompt, text in zip(PROMPTS, expected, strict=True):
             result = client.completions.create(
                 model=MODEL,

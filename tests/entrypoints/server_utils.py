@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -57,6 +58,10 @@ class RemoteServer:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"server not ready in {STARTUP_TIMEOUT_S}s:\n{self.log_tail()}")
+
+    def openai_client(self, timeout: float) -> openai.OpenAI:
+        """The official client, pointed at this server's /v1."""
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=timeout)
 
     def log_tail(self, chars: int = 4000) -> str:
         self._log.flush()

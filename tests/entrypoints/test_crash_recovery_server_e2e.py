@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from .server_utils import RemoteServer, metric_values, wait_until
@@ -59,7 +58,7 @@ def health(url: str) -> tuple[int, str]:
 
 
 def test_sigkill_while_streaming_over_http(server: RemoteServer) -> None:
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=600)
+    client = server.openai_client(timeout=600)
     with ThreadPoolExecutor(NUM_STREAMS) as pool:
         reference = list(
             pool.map(

@@ -83,7 +83,7 @@ def _greedy(client: openai.OpenAI, model: str, max_tokens: int = 8) -> str:
 
 
 def test_openai_client_selects_adapters(server: RemoteServer, adapter_dirs: list[Path]) -> None:
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120) as client:
+    with server.openai_client(timeout=120) as client:
         cards = {m.id: m for m in client.models.list().data}
         assert set(cards) == {MODEL, "first"}
         base = _greedy(client, MODEL)

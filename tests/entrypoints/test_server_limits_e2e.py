@@ -70,7 +70,7 @@ async def test_waiting_limit_answers_503(limited: RemoteServer) -> None:
 
 
 def test_engine_death_fails_requests_and_health(limited: RemoteServer) -> None:
-    with openai.OpenAI(base_url=limited.url + "/v1", api_key="none", timeout=60) as client:
+    with limited.openai_client(timeout=60) as client:
         stream = client.completions.create(
             model=MODEL,
             prompt=LONG["prompt"],

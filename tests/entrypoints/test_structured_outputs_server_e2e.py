@@ -59,7 +59,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
 
 @pytest.fixture(scope="module")
 def client(server: RemoteServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=300) as c:
+    with server.openai_client(timeout=300) as c:
         yield c
 
 
