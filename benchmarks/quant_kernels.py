@@ -83,9 +83,7 @@ def median_ms(fn: Callable[[], object], cpu_time: bool = False, budget_s: float 
 def q6k_layout(w: torch.Tensor) -> QuantizedWeight:
     """Q6_K's layout (int8 codes, a scale per 16 columns) from float weights."""
     q8 = quantize_float(w, "int8")
-    return QuantizedWeight(
-        8, 16, q8.in_features, q8.qweight, q8.scales.repeat_interleave(2, 1), None
-    )
+    return QuantizedWeight(8, 16, q8.in_features, q8.qweight, q8.scales.widened(2), None)
 
 
 def candidates(
@@ -110,8 +108,10 @@ def candidates(
         codes = q4.codes()[:, :k].to(torch.int32)
         w4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
         # int4pack computes (q - 8) * scale + zero per group.
-        zeros = q4.mins + 8 * q4.scales
-        sz = torch.stack((q4.scales, zeros), dim=-1).transpose(0, 1).contiguous().bfloat16()
+        assert q4.mins is not None
+        scales = q4.scales.values()
+        zeros = q4.mins.values() + 8 * scales
+        sz = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous().bfloat16()
         xb = x.bfloat16()
         out["int4pack-bf16"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w4, 32, sz)
     except (RuntimeError, AttributeError) as e:

@@ -21,6 +21,7 @@ from gguf.quants import dequantize
 from tests.quantization.blocks import random_gguf
 from tokenloom.quantization.formats import (
     GGUF_TYPES,
+    GroupFactors,
     QuantizedWeight,
     concat_rows,
     from_gguf,
@@ -66,7 +67,7 @@ def check_native(x: torch.Tensor, weight: QuantizedWeight) -> None:
     if x.shape[0] == 1 or x.shape[0] >= GEMM_ROWS:
         assert_close_fp32(out, F.linear(x.double(), w))
         return
-    xq, half_step = quantized_activations(x, weight.scales.shape[1] * weight.group)
+    xq, half_step = quantized_activations(x, weight.scales.groups * weight.group)
     expected = F.linear(xq, w)
     assert_close_fp32(out, expected, tol=1e-4)
     bound = F.linear(half_step, w.abs()) + 2e-5 * (float(expected.abs().max()) + 1e-6)
@@ -92,25 +93,43 @@ def test_native_kernel_matches_reference(ggml_type: T, rows: int) -> None:
     assert_close_fp32(quant_matmul(x, weight, native=False), expected)
 
 
+def random_factors(
+    n: int, groups: int, form: str, magnitude: float, gen: torch.Generator
+) -> GroupFactors:
+    """``form``: float32 or float16 per group, or an fp16 base per ``groups`` (one
+    super-block per row) times int8 codes over their full range."""
+    if form == "coded":
+        base = (torch.rand(n, 1, generator=gen) * magnitude / 64).half()
+        codes = torch.randint(-128, 128, (n, groups), generator=gen, dtype=torch.int8)
+        return GroupFactors(base, codes)
+    values = torch.rand(n, groups, generator=gen) * magnitude
+    return GroupFactors(values.half() if form == "float16" else values)
+
+
 @pytest.mark.parametrize(
     ("bits", "group", "with_mins"),
     [(4, 32, True), (4, 32, False), (8, 32, False), (8, 32, True), (8, 16, False), (8, 16, True)],
 )
+@pytest.mark.parametrize("form", ["float32", "float16", "coded"])
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 45), (37, 96), (70, 200)])
 @pytest.mark.parametrize("rows", [1, 2, 4, 7, 17, 130])
 def test_every_layout_on_odd_shapes(
-    bits: int, group: int, with_mins: bool, n: int, k: int, rows: int
+    bits: int, group: int, with_mins: bool, form: str, n: int, k: int, rows: int
 ) -> None:
     """Random codes over the full range (int8 -128..127, nibbles 0..15), zero
-    padding past K, random scales and mins; x has some all-zero blocks."""
+    padding past K, random scales and mins in each stored form; x has some
+    all-zero blocks."""
     gen = torch.Generator().manual_seed(n * k + rows + bits + group)
     k_pad = -(-k // 32) * 32
     if bits == 4:
         qweight = torch.randint(0, 256, (n, k_pad // 2), generator=gen, dtype=torch.uint8)
     else:
         qweight = torch.randint(-128, 128, (n, k_pad), generator=gen, dtype=torch.int8)
-    scales = torch.rand(n, k_pad // group, generator=gen) * 0.02
-    mins = -torch.rand(n, k_pad // group, generator=gen) * 0.1 if with_mins else None
+    scales = random_factors(n, k_pad // group, form, 0.02, gen)
+    mins = None
+    if with_mins:
+        mins = random_factors(n, k_pad // group, form, 0.1, gen)
+        mins.base = -mins.base
     weight = QuantizedWeight(bits, group, k, qweight, scales, mins)
     x = torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 10
     x[::3, :32] = 0
@@ -127,7 +146,7 @@ def test_float_quantization_odd_shapes(method: str, n: int, k: int, rows: int) -
     deq = weight.dequantize()
     assert deq.shape == (n, k)
     # Quantization error per element is at most half a step of its group.
-    step = weight.scales.repeat_interleave(weight.group, dim=1)[:, :k]
+    step = weight.scales.values().repeat_interleave(weight.group, dim=1)[:, :k]
     assert bool(((deq - w).abs() <= step / 2 + 1e-6).all())
     x = torch.randn(rows, k, generator=gen)
     check_native(x, weight)

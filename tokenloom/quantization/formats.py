@@ -1,24 +1,31 @@
 """Quantized weight layouts the kernels read, and conversion into them.
 
 Every supported GGUF type is repacked at load time into one of two layouts that
-reproduce its dequantized weights (``w = scale * q + min`` per group of
-columns, up to float rounding):
+reproduce its dequantized weights exactly (``w = scale * q + min`` per group of
+columns):
 
 - 4-bit: q in 0..15, two per byte (byte j of a 32-column block holds column j
-  in its low nibble and column j + 16 in its high one), fp32 scale and min per
-  32 columns. Q4_0 (min = -8 scale), Q4_1 and Q4_K (scale = d * sc, min =
-  -dmin * m) land here: 6 bits per weight.
-- 8-bit: one int8 per column, fp32 scale per ``group`` (16 or 32) columns and
+  in its low nibble and column j + 16 in its high one), a scale and a min per
+  32 columns. Q4_0 (min = -8 scale), Q4_1 and Q4_K land here.
+- 8-bit: one int8 per column, a scale per ``group`` (16 or 32) columns and
   optionally a min. Q8_0 (group 32, no min), Q5_K (q in 0..31, group 32 with
   min) and Q6_K (q - 32, group 16, no min) land here.
 
+Scales and mins (``GroupFactors``) are kept as the file stores them: fp16 per
+group (Q4_0, Q4_1, Q8_0), or an fp16 base per 256-column super-block times an
+int8 code per group (K-quants: ``d * sc`` and ``-dmin * m``), so the layouts
+cost what the file does plus the codes' unpacking (Q4_K: 4.6 bits per weight
+against the file's 4.5; Q6_K, widened to int8: 8.6 against 6.6).
+
 ``quantize_float`` makes the same layouts from float weights (``int4``:
-asymmetric 4-bit per 32 columns; ``int8``: symmetric 8-bit per 32 columns) for
-Hugging Face checkpoints. Columns are padded with zeros to a multiple of 32.
+asymmetric 4-bit per 32 columns; ``int8``: symmetric 8-bit per 32 columns, both
+with fp16 factors) for Hugging Face checkpoints. Columns are padded with zeros to
+a multiple of 32.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,8 +33,65 @@ import torch
 from gguf.constants import GGMLQuantizationType as T
 
 GROUP = 32  # columns per block of the 4-bit layout, and the padding unit
+SUPER_BLOCK = 256  # columns per K-quant super-block
 GGUF_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K)
 FLOAT_METHODS = ("int8", "int4")
+_FP16_MAX = 65504.0
+
+
+@dataclass
+class GroupFactors:
+    """Per-group scales (or mins) of an [N, K_pad] matrix with G groups per row:
+    ``value[n, g] = base[n, g // per] * codes[n, g]``, or ``base[n, g]`` without
+    codes (then ``per`` is 1)."""
+
+    base: torch.Tensor  # float16 (or float32, where fp16 would round) [N, G / per]
+    codes: torch.Tensor | None = None  # int8 [N, G]
+
+    @property
+    def groups(self) -> int:
+        return int((self.codes if self.codes is not None else self.base).shape[1])
+
+    @property
+    def per(self) -> int:
+        return self.groups // int(self.base.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.base, self.codes)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def values(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [N (or len(rows)), G]."""
+        base = (self.base if rows is None else self.base[rows]).float()
+        if self.codes is None:
+            return base
+        codes = self.codes if rows is None else self.codes[rows]
+        return base.repeat_interleave(self.per, dim=1) * codes.float()
+
+    def widened(self, repeat: int) -> GroupFactors:
+        """The same factors for groups ``repeat`` times narrower."""
+        if repeat == 1:
+            return self
+        if self.codes is None:
+            return GroupFactors(self.base.repeat_interleave(repeat, dim=1))
+        return GroupFactors(self.base, self.codes.repeat_interleave(repeat, dim=1))
+
+    def form(self) -> tuple[torch.dtype, int, bool]:
+        return self.base.dtype, self.per, self.codes is not None
+
+    def zeros_like(self) -> GroupFactors:
+        codes = None if self.codes is None else torch.zeros_like(self.codes)
+        return GroupFactors(torch.zeros_like(self.base), codes)
+
+
+def _factors(values: np.ndarray | torch.Tensor) -> GroupFactors:
+    """Per-group float values as fp16 where that is exact and in range (GGUF's
+    fp16 fields, or values rounded to fp16 by ``quantize_float``), else float32."""
+    t = torch.as_tensor(values, dtype=torch.float32).contiguous()
+    half = t.half()
+    exact = bool(t.abs().max() <= _FP16_MAX) and torch.equal(half.float(), t)
+    return GroupFactors(half if exact else t)
 
 
 @dataclass
@@ -38,17 +102,60 @@ class QuantizedWeight:
     group: int  # columns per scale: 32, or 16 (8-bit only)
     in_features: int
     qweight: torch.Tensor  # uint8 [N, K_pad / 2] (4-bit) or int8 [N, K_pad]
-    scales: torch.Tensor  # float32 [N, K_pad / group]
-    mins: torch.Tensor | None  # float32 like scales, or None (zero)
+    scales: GroupFactors
+    mins: GroupFactors | None  # None: zero
 
     @property
     def out_features(self) -> int:
         return int(self.qweight.shape[0])
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor it holds, each once (Q4_0's mins share the scales' base)."""
+        found = [self.qweight, self.scales.base, self.scales.codes]
+        if self.mins is not None:
+            found += [self.mins.base, self.mins.codes]
+        unique = {id(t): t for t in found if t is not None}
+        return list(unique.values())
+
     @property
     def nbytes(self) -> int:
-        tensors = (self.qweight, self.scales, self.mins)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
+        """The same weight with ``fn`` applied to each tensor, sharing kept."""
+        done: dict[int, torch.Tensor] = {}
+
+        def apply(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if id(t) not in done:
+                done[id(t)] = fn(t)
+            return done[id(t)]
+
+        def factors(f: GroupFactors) -> GroupFactors:
+            base = apply(f.base)
+            assert base is not None
+            return GroupFactors(base, apply(f.codes))
+
+        qweight = apply(self.qweight)
+        assert qweight is not None
+        mins = None if self.mins is None else factors(self.mins)
+        return QuantizedWeight(
+            self.bits, self.group, self.in_features, qweight, factors(self.scales), mins
+        )
+
+    def kernel_args(self) -> tuple[object, ...]:
+        """The native kernel's arguments after ``out`` and ``x``."""
+        mins = self.mins
+        return (
+            self.qweight,
+            self.scales.base,
+            self.scales.codes,
+            None if mins is None else mins.base,
+            None if mins is None else mins.codes,
+            self.bits,
+            self.group,
+        )
 
     def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Integer codes as float32 [N (or len(rows)), K_pad]."""
@@ -63,18 +170,17 @@ class QuantizedWeight:
         """The float32 weights [N (or len(rows)), in_features]: the reference the
         kernel must match, and the embedding's gather."""
         codes = self.codes(rows)
-        scales = self.scales if rows is None else self.scales[rows]
-        w = codes.view(codes.shape[0], -1, self.group) * scales.unsqueeze(-1)
+        w = codes.view(codes.shape[0], -1, self.group) * self.scales.values(rows).unsqueeze(-1)
         if self.mins is not None:
-            w = w + (self.mins if rows is None else self.mins[rows]).unsqueeze(-1)
+            w = w + self.mins.values(rows).unsqueeze(-1)
         return w.reshape(codes.shape[0], -1)[:, : self.in_features]
 
 
 def _pack(
-    q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, group: int, bits: int, k: int
+    q: np.ndarray, scales: GroupFactors, mins: GroupFactors | None, group: int, bits: int, k: int
 ) -> QuantizedWeight:
-    """Codes [N, K_pad] (0..15 for 4 bits, int8 range for 8) and per-group
-    scales/mins [N, K_pad / group] into a QuantizedWeight."""
+    """Codes [N, K_pad] (0..15 for 4 bits, int8 range for 8) and their factors
+    into a QuantizedWeight."""
     n = q.shape[0]
     if bits == 4:
         blocks = q.astype(np.uint8).reshape(n, -1, 2, 16)
@@ -82,18 +188,16 @@ def _pack(
         qweight = packed.reshape(n, -1)
     else:
         qweight = torch.from_numpy(np.ascontiguousarray(q.astype(np.int8)))
-    return QuantizedWeight(
-        bits=bits,
-        group=group,
-        in_features=k,
-        qweight=qweight,
-        scales=torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)),
-        mins=None if mins is None else torch.from_numpy(np.ascontiguousarray(mins, np.float32)),
-    )
+    return QuantizedWeight(bits, group, k, qweight, scales, mins)
 
 
-def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
-    return blocks[..., start : start + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+def _f16(blocks: np.ndarray, start: int) -> torch.Tensor:
+    """The fp16 field at byte ``start`` of every block, as a float16 tensor."""
+    return torch.from_numpy(blocks[..., start : start + 2].copy().view(np.float16)[..., 0])
+
+
+def _int8(values: np.ndarray, n: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(values.astype(np.int8).reshape(n, -1)))
 
 
 def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -101,7 +205,7 @@ def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     d, m, m_d = raw[..., 0:4], raw[..., 4:8], raw[..., 8:12]
     sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
     mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc.astype(np.float32), mn.astype(np.float32)
+    return sc, mn
 
 
 def from_gguf(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...]) -> QuantizedWeight:
@@ -110,16 +214,18 @@ def from_gguf(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...]) -> Quantize
     shift = np.array([0, 4], dtype=np.uint8)
     if ggml_type in (T.Q4_0, T.Q4_1, T.Q8_0):
         blocks = raw.reshape(n, k // 32, -1)
-        d = _f16(blocks, 0)
+        d = GroupFactors(_f16(blocks, 0))
         if ggml_type == T.Q8_0:
             return _pack(blocks[..., 2:].view(np.int8).reshape(n, k), d, None, 32, 8, k)
         qs = blocks[..., 4:] if ggml_type == T.Q4_1 else blocks[..., 2:]
         nibbles = (qs[..., None, :] >> shift[:, None]) & 15  # [n, blocks, 2, 16]
-        mins = _f16(blocks, 2) if ggml_type == T.Q4_1 else -8 * d
+        if ggml_type == T.Q4_1:
+            mins = GroupFactors(_f16(blocks, 2))
+        else:  # -8 d, exactly, sharing d
+            mins = GroupFactors(d.base, torch.full((n, k // 32), -8, dtype=torch.int8))
         return _pack(nibbles.reshape(n, k), d, mins, 32, 4, k)
-    blocks = raw.reshape(n, k // 256, -1)
+    blocks = raw.reshape(n, k // SUPER_BLOCK, -1)
     if ggml_type in (T.Q4_K, T.Q5_K):
-        d, dmin = _f16(blocks, 0)[..., None], _f16(blocks, 2)[..., None]
         sc, mn = _k_scales(blocks[..., 4:16])
         qs = blocks[..., -128:].reshape(n, -1, 4, 1, 32)
         q = ((qs >> shift[:, None]) & 15).reshape(n, -1, 8, 32)
@@ -129,8 +235,8 @@ def from_gguf(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...]) -> Quantize
             high = (qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1
             q = q | (high << 4)
             bits = 8
-        scales = (d * sc).reshape(n, -1)
-        mins = -(dmin * mn).reshape(n, -1)
+        scales = GroupFactors(_f16(blocks, 0), _int8(sc, n))
+        mins = GroupFactors(-_f16(blocks, 2), _int8(mn, n))
         return _pack(q.reshape(n, k), scales, mins, 32, bits, k)
     if ggml_type == T.Q6_K:
         ql = blocks[..., :128].reshape(n, -1, 2, 1, 64)
@@ -138,8 +244,7 @@ def from_gguf(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...]) -> Quantize
         low = ((ql >> shift[:, None]) & 15).reshape(n, -1, 2, 4, 32)
         high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3
         codes = (low | (high << 4)).astype(np.int16) - 32
-        sub = blocks[..., 192:208].view(np.int8).astype(np.float32)
-        scales = (_f16(blocks, 208)[..., None] * sub).reshape(n, -1)
+        scales = GroupFactors(_f16(blocks, 208), _int8(blocks[..., 192:208].view(np.int8), n))
         return _pack(codes.reshape(n, k), scales, None, 16, 8, k)
     raise ValueError(f"GGUF type {ggml_type.name} has no quantized layout")
 
@@ -154,13 +259,27 @@ def quantize_float(weight: torch.Tensor, method: str) -> QuantizedWeight:
     w[:, :k] = weight.float()
     groups = w.view(n, -1, GROUP)
     if method == "int8":
-        scales = groups.abs().amax(-1) / 127
-        q = torch.round(groups / scales.clamp_min(1e-30).unsqueeze(-1)).clamp(-127, 127)
-        return _pack(q.reshape(n, k_pad).numpy(), scales.numpy(), None, GROUP, 8, k)
-    low, high = groups.amin(-1), groups.amax(-1)
-    scales = (high - low) / 15
-    q = torch.round((groups - low.unsqueeze(-1)) / scales.clamp_min(1e-30).unsqueeze(-1))
-    return _pack(q.clamp(0, 15).reshape(n, k_pad).numpy(), scales.numpy(), low.numpy(), GROUP, 4, k)
+        scales = _factors(groups.abs().amax(-1) / 127)
+        step = scales.values().clamp_min(1e-30).unsqueeze(-1)
+        q = torch.round(groups / step).clamp(-127, 127)
+        return _pack(q.reshape(n, k_pad).numpy(), scales, None, GROUP, 8, k)
+    mins = _factors(groups.amin(-1))
+    low = mins.values().unsqueeze(-1)
+    # The step covers the group's range above its fp16-rounded min.
+    scales = _factors(((groups.amax(-1, keepdim=True) - low) / 15).squeeze(-1))
+    step = scales.values().clamp_min(1e-30).unsqueeze(-1)
+    q = torch.round((groups - low) / step).clamp(0, 15)
+    return _pack(q.reshape(n, k_pad).numpy(), scales, mins, GROUP, 4, k)
+
+
+def _join(factors: list[GroupFactors]) -> GroupFactors:
+    """Row-stacked factors: kept in their form if all parts share it, else as
+    float32 values per group (exact either way)."""
+    if len({f.form() for f in factors}) == 1:
+        codes = [f.codes for f in factors]
+        joined = None if codes[0] is None else torch.cat([c for c in codes if c is not None])
+        return GroupFactors(torch.cat([f.base for f in factors]), joined)
+    return GroupFactors(torch.cat([f.values() for f in factors]))
 
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -171,21 +290,24 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         return parts[0]
     bits = max(p.bits for p in parts)
     group = min(p.group for p in parts)
-    with_min = any(p.mins is not None for p in parts)
-    qs, scales, mins = [], [], []
-    for p in parts:
-        repeat = p.group // group
-        q = p.qweight if p.bits == bits else p.codes().to(torch.int8)
-        qs.append(q)
-        scales.append(p.scales.repeat_interleave(repeat, dim=1))
-        if with_min:
-            m = p.mins if p.mins is not None else torch.zeros_like(p.scales)
-            mins.append(m.repeat_interleave(repeat, dim=1))
+    scales = [p.scales.widened(p.group // group) for p in parts]
+    joined_scales = _join(scales)
+    joined_mins = None
+    if any(p.mins is not None for p in parts):
+        mins = [
+            p.mins.widened(p.group // group) if p.mins is not None else s.zeros_like()
+            for p, s in zip(parts, scales, strict=True)
+        ]
+        joined_mins = _join(mins)
+        if all(m.base is s.base for m, s in zip(mins, scales, strict=True)):
+            joined_mins.base = joined_scales.base  # Q4_0's -8 d keeps sharing d
     return QuantizedWeight(
         bits=bits,
         group=group,
         in_features=parts[0].in_features,
-        qweight=torch.cat(qs),
-        scales=torch.cat(scales),
-        mins=torch.cat(mins) if with_min else None,
+        qweight=torch.cat(
+            [p.qweight if p.bits == bits else p.codes().to(torch.int8) for p in parts]
+        ),
+        scales=joined_scales,
+        mins=joined_mins,
     )

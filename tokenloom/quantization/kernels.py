@@ -36,8 +36,6 @@ def quant_matmul(x: torch.Tensor, weight: QuantizedWeight, native: bool = True) 
     """``x [M, K] float32 @ dequant(weight).T -> [M, N]``."""
     if native and native_available():
         out = x.new_empty(x.shape[0], weight.out_features)
-        torch.ops.tokenloom_quant.quant_linear(
-            out, x, weight.qweight, weight.scales, weight.mins, weight.bits, weight.group
-        )
+        torch.ops.tokenloom_quant.quant_linear(out, x, *weight.kernel_args())
         return out
     return F.linear(x, weight.dequantize())

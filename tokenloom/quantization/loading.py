@@ -114,24 +114,12 @@ def _repack(tensor: GGUFTensor) -> QuantizedWeight:
     if step >= rows:
         return first
 
-    def whole(part: torch.Tensor) -> torch.Tensor:
-        return part.new_empty((rows, *part.shape[1:]))
-
-    out = QuantizedWeight(
-        bits=first.bits,
-        group=first.group,
-        in_features=cols,
-        qweight=whole(first.qweight),
-        scales=whole(first.scales),
-        mins=None if first.mins is None else whole(first.mins),
-    )
+    out = first.map_tensors(lambda part: part.new_empty((rows, *part.shape[1:])))
     for start in range(0, rows, step):
         stop = min(start + step, rows)
         part = first if start == 0 else from_gguf(raw[start:stop], qtype, (stop - start, cols))
-        out.qweight[start:stop] = part.qweight
-        out.scales[start:stop] = part.scales
-        if out.mins is not None and part.mins is not None:
-            out.mins[start:stop] = part.mins
+        for whole, piece in zip(out.tensors(), part.tensors(), strict=True):
+            whole[start:stop] = piece
     return out
 
 

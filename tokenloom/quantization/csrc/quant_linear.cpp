@@ -4,10 +4,13 @@
 //
 // Weight layouts, per output row of K_pad (K rounded up to 32) columns:
 //   bits 4: 16 bytes per 32 columns, byte j holds column j (low nibble) and
-//           j + 16 (high nibble); w = scale * q + min, one fp32 scale and min
-//           per 32 columns.
+//           j + 16 (high nibble); w = scale * q + min, one scale and min per
+//           32 columns.
 //   bits 8: one int8 per column; w = scale * q (+ min), scale (and min) per
 //           `group` (16 or 32) columns.
+// Scales and mins arrive as the file keeps them (Factors): fp16 or fp32 per
+// group, or an fp16 base per super-block times an int8 code per group; each
+// path decodes the rows it works on into float buffers first.
 //
 // Activations are quantized per row and per 8 columns (a group a): xs = max|x| / 127,
 // xq = round(x / xs), ties to even. Per 4-column lane l of the weight's group g,
@@ -77,6 +80,45 @@ typedef __m256 fvec_t;
 #error "the quantized kernel needs AVX2; kernels.py falls back to dequantizing"
 #endif
 
+// Per-group scales or mins (formats.py's GroupFactors): value(n, g) =
+// base(n, g / per) * codes(n, g), or base(n, g) without codes.
+struct Factors {
+  const void* base = nullptr;  // float16 or float32 [N, groups / per]; nullptr: none
+  bool half = false;
+  const int8_t* codes = nullptr;  // [N, groups], or nullptr
+  int64_t groups = 0;
+  int64_t per = 1;
+
+  explicit operator bool() const { return base != nullptr; }
+
+  float base_at(int64_t i) const {
+    return half ? _cvtsh_ss(static_cast<const uint16_t*>(base)[i])
+                : static_cast<const float*>(base)[i];
+  }
+
+  // Row n's `groups` values into dst.
+  void decode(int64_t n, float* dst) const {
+    if (codes) {
+      const int64_t bases = groups / per;
+      const int8_t* c = codes + n * groups;
+      for (int64_t b = 0; b < bases; ++b) {
+        const float s = base_at(n * bases + b);
+        for (int64_t g = b * per; g < (b + 1) * per; ++g) dst[g] = s * static_cast<float>(c[g]);
+      }
+    } else if (half) {
+      const uint16_t* h = static_cast<const uint16_t*>(base) + n * groups;
+      int64_t g = 0;
+      for (; g + 8 <= groups; g += 8) {
+        const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + g));
+        _mm256_storeu_ps(dst + g, _mm256_cvtph_ps(bits));
+      }
+      for (; g < groups; ++g) dst[g] = _cvtsh_ss(h[g]);
+    } else {
+      std::memcpy(dst, static_cast<const float*>(base) + n * groups, groups * sizeof(float));
+    }
+  }
+};
+
 struct QuantWeight {
   int64_t bits;
   int64_t group;
@@ -84,8 +126,8 @@ struct QuantWeight {
   int64_t row_bytes;
   int64_t row_groups;
   const uint8_t* q;
-  const float* scales;
-  const float* mins;  // nullptr: no offsets
+  Factors scales;
+  Factors mins;  // empty: no offsets
 };
 
 // One step of one output row, ready for the dot products: codes (u8 0..15 for 4
@@ -124,9 +166,10 @@ inline fvec_t act_scales(const float* p) {
   return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_loadu_ps(p)));
 }
 
-// Columns [c0, c0 + 64) of row n; the second block may lie past K_pad (then zero).
+// Columns [c0, c0 + 64) of row n, whose decoded scales are `scales`; the second
+// block may lie past K_pad (then zero).
 template <int Bits>
-inline Step unpack_step(const QuantWeight& w, int64_t n, int64_t c0) {
+inline Step unpack_step(const QuantWeight& w, int64_t n, int64_t c0, const float* scales) {
   const int64_t blocks = std::min<int64_t>(2, (w.k_pad - c0) / kBlock);
   const uint8_t* row = w.q + n * w.row_bytes;
   Step s;
@@ -144,8 +187,7 @@ inline Step unpack_step(const QuantWeight& w, int64_t n, int64_t c0) {
     s.q = _mm512_maskz_loadu_epi8(blocks == 2 ? ~0ull : 0xFFFFFFFFull, row + c0);
     s.init = _mm512_sub_epi32(zero_i(), dpbusd(zero_i(), _mm512_set1_epi8(-128), s.q));
   }
-  s.ws = spread(w.scales + n * w.row_groups + c0 / w.group, w.group / 4,
-                blocks * kBlock / w.group);
+  s.ws = spread(scales + c0 / w.group, w.group / 4, blocks * kBlock / w.group);
   return s;
 }
 
@@ -186,9 +228,9 @@ inline fvec_t act_scales(const float* p) {
   return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(p)), idx);
 }
 
-// Columns [c0, c0 + 32) (one block) of row n.
+// Columns [c0, c0 + 32) (one block) of row n, whose decoded scales are `scales`.
 template <int Bits>
-inline Step unpack_step(const QuantWeight& w, int64_t n, int64_t c0) {
+inline Step unpack_step(const QuantWeight& w, int64_t n, int64_t c0, const float* scales) {
   const uint8_t* row = w.q + n * w.row_bytes;
   Step s;
   s.init = zero_i();
@@ -202,7 +244,7 @@ inline Step unpack_step(const QuantWeight& w, int64_t n, int64_t c0) {
     s.init = _mm256_sub_epi32(zero_i(), dpbusd(zero_i(), _mm256_set1_epi8(-128), s.q));
 #endif
   }
-  const float* sc = w.scales + n * w.row_groups + c0 / w.group;
+  const float* sc = scales + c0 / w.group;
   s.ws = w.group == 32 ? _mm256_set1_ps(sc[0])
                        : _mm256_set_m128(_mm_set1_ps(sc[1]), _mm_set1_ps(sc[0]));
   return s;
@@ -229,7 +271,7 @@ struct QuantActs {
   int64_t k_step;
   std::unique_ptr<int8_t[]> q;        // [M, k_step] xq (or xq ^ 0x80 for 8-bit VNNI)
   std::unique_ptr<float[]> scales;    // [M, k_step / kActGroup] xs
-  at::Tensor x_sums;  // float [M, groups]: sum(xs * xq) per weight group (mins only)
+  std::unique_ptr<float[]> x_sums;    // [M, groups]: sum(xs * xq) per weight group (mins only)
 };
 
 QuantActs quantize_acts(const float* x, int64_t rows, int64_t cols, int64_t x_stride,
@@ -239,7 +281,7 @@ QuantActs quantize_acts(const float* x, int64_t rows, int64_t cols, int64_t x_st
   const int64_t per_row = a.k_step / kActGroup;
   a.q.reset(new int8_t[rows * a.k_step]);
   a.scales.reset(new float[rows * per_row]);
-  if (w.mins) a.x_sums = at::zeros({rows, w.k_pad / w.group}, at::kFloat);
+  if (w.mins) a.x_sums.reset(new float[rows * w.row_groups]());
   const int8_t flip = (w.bits == 8 && kUnsignedX8) ? int8_t(-128) : int8_t(0);
   const vec magic = vec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to nearest even
   constexpr int64_t kHalf = kLanes / kActGroup;  // scales per 16 columns
@@ -270,31 +312,49 @@ QuantActs quantize_acts(const float* x, int64_t rows, int64_t cols, int64_t x_st
         qr[c0 + l] = static_cast<int8_t>(q[l]) ^ flip;
         sum += d[l] * static_cast<float>(q[l]);
       }
-      if (w.mins && c0 < w.k_pad) {
-        a.x_sums.data_ptr<float>()[m * (w.k_pad / w.group) + c0 / w.group] += sum;
-      }
+      if (w.mins && c0 < w.k_pad) a.x_sums[m * w.row_groups + c0 / w.group] += sum;
     }
   }
   return a;
 }
 
-// kSpan output rows' steps unpacked once, for many activation rows.
+// Decoded mins of a source's rows and the activations' group sums: the min term
+// sum_g min[n, g] * x_sums[m, g] of one output.
+inline float min_term(const float* mins, const float* x_sums, int64_t groups) {
+  vec acc{};
+  int64_t g = 0;
+  for (; g + kLanes <= groups; g += kLanes) acc += load(mins + g) * load(x_sums + g);
+  float total = lane_sum(acc);
+  for (; g < groups; ++g) total += mins[g] * x_sums[g];
+  return total;
+}
+
+// kSpan output rows' steps unpacked once (and their mins decoded), for many
+// activation rows.
 struct RowBuffer {
   int64_t k_step;
+  int64_t groups;
   std::unique_ptr<int8_t[]> codes;   // [kSpan, k_step]
   std::unique_ptr<float[]> lane_s;   // [kSpan, k_step / 4]
   std::unique_ptr<int32_t[]> init;   // [kSpan, k_step / 4]
+  std::unique_ptr<float[]> row_scales;  // [groups], one row's while it is unpacked
+  std::unique_ptr<float[]> row_mins;    // [kSpan, groups], or empty without mins
 
-  explicit RowBuffer(int64_t k)
+  RowBuffer(int64_t k, const QuantWeight& w)
       : k_step(k),
+        groups(w.row_groups),
         codes(new int8_t[kSpan * k]),
         lane_s(new float[kSpan * k / 4]),
-        init(new int32_t[kSpan * k / 4]) {}
+        init(new int32_t[kSpan * k / 4]),
+        row_scales(new float[w.row_groups]),
+        row_mins(w.mins ? new float[kSpan * w.row_groups] : nullptr) {}
 
   template <int Bits>
   void fill(const QuantWeight& w, int64_t row, int64_t n) {
+    w.scales.decode(n, row_scales.get());
+    if (w.mins) w.mins.decode(n, row_mins.get() + row * groups);
     for (int64_t c = 0; c < w.k_pad; c += kStep) {
-      const Step s = unpack_step<Bits>(w, n, c);
+      const Step s = unpack_step<Bits>(w, n, c, row_scales.get());
       store_i(codes.get() + row * k_step + c, s.q);
       store_f(lane_s.get() + (row * k_step + c) / 4, s.ws);
       store_i(init.get() + (row * k_step + c) / 4, s.init);
@@ -307,28 +367,45 @@ struct RowBuffer {
     return Step{load_i(codes.get() + at), load_f(lane_s.get() + at / 4),
                 load_i(init.get() + at / 4)};
   }
+
+  const float* mins(int64_t row) const { return row_mins ? row_mins.get() + row * groups : nullptr; }
 };
 
-// Steps unpacked straight from the weights, for few activation rows.
+// Steps unpacked straight from the weights of kRowBlock output rows from n0, for
+// few activation rows; their scales and mins decoded into per-thread buffers.
 struct Direct {
   const QuantWeight& w;
+  int64_t n0;
+  float* row_scales;  // [kRowBlock, groups]
+  float* row_mins;    // [kRowBlock, groups], or nullptr without mins
+
+  void decode(int64_t count) const {
+    for (int64_t j = 0; j < count; ++j) {
+      w.scales.decode(n0 + j, row_scales + j * w.row_groups);
+      if (row_mins) w.mins.decode(n0 + j, row_mins + j * w.row_groups);
+    }
+  }
 
   template <int Bits>
-  Step get(int64_t n, int64_t c) const {
-    return unpack_step<Bits>(w, n, c);
+  Step get(int64_t row, int64_t c) const {
+    return unpack_step<Bits>(w, n0 + row, c, row_scales + row * w.row_groups);
+  }
+
+  const float* mins(int64_t row) const {
+    return row_mins ? row_mins + row * w.row_groups : nullptr;
   }
 };
 
 // out[m, n0 + j] for j < count and activation rows [m0, m0 + Rows); `src` gives
-// the steps of output row `r0 + j` (rows past `count` repeat the last one).
+// the steps of its row `r0 + j` (rows past `count` repeat the last one).
 template <int Bits, int Rows, typename Source>
 void dot_tile(const Source& src, int64_t r0, const QuantActs& a, int64_t m0, int64_t n0,
-              int64_t count, int64_t n_out, int64_t k_pad, float* out) {
+              int64_t count, int64_t n_out, const QuantWeight& w, float* out) {
   fvec_t acc[kRowBlock][Rows];
   for (auto& row : acc)
     for (auto& v : row) v = zero_f();
   const int64_t per_row = a.k_step / kActGroup;
-  for (int64_t c = 0; c < k_pad; c += kStep) {
+  for (int64_t c = 0; c < w.k_pad; c += kStep) {
     Step s[kRowBlock];
     for (int64_t j = 0; j < kRowBlock; ++j) {
       s[j] = src.template get<Bits>(r0 + std::min(j, count - 1), c);
@@ -342,22 +419,28 @@ void dot_tile(const Source& src, int64_t r0, const QuantActs& a, int64_t m0, int
     }
   }
   for (int r = 0; r < Rows; ++r) {
-    for (int64_t j = 0; j < count; ++j) out[(m0 + r) * n_out + n0 + j] = hsum(acc[j][r]);
+    for (int64_t j = 0; j < count; ++j) {
+      float value = hsum(acc[j][r]);
+      if (const float* mins = src.mins(r0 + j)) {
+        value += min_term(mins, a.x_sums.get() + (m0 + r) * w.row_groups, w.row_groups);
+      }
+      out[(m0 + r) * n_out + n0 + j] = value;
+    }
   }
 }
 
 // Activation rows [m0, m1) against output rows [n0, n0 + count) (count <= 4).
 template <int Bits, typename Source>
 void dot_rows(const Source& src, int64_t r0, const QuantActs& a, int64_t m0, int64_t m1,
-              int64_t n0, int64_t count, int64_t n_out, int64_t k_pad, float* out) {
+              int64_t n0, int64_t count, int64_t n_out, const QuantWeight& w, float* out) {
   int64_t m = m0;
   for (; m + kActBlock <= m1; m += kActBlock) {
-    dot_tile<Bits, kActBlock>(src, r0, a, m, n0, count, n_out, k_pad, out);
+    dot_tile<Bits, kActBlock>(src, r0, a, m, n0, count, n_out, w, out);
   }
   switch (m1 - m) {
-    case 3: dot_tile<Bits, 3>(src, r0, a, m, n0, count, n_out, k_pad, out); break;
-    case 2: dot_tile<Bits, 2>(src, r0, a, m, n0, count, n_out, k_pad, out); break;
-    case 1: dot_tile<Bits, 1>(src, r0, a, m, n0, count, n_out, k_pad, out); break;
+    case 3: dot_tile<Bits, 3>(src, r0, a, m, n0, count, n_out, w, out); break;
+    case 2: dot_tile<Bits, 2>(src, r0, a, m, n0, count, n_out, w, out); break;
+    case 1: dot_tile<Bits, 1>(src, r0, a, m, n0, count, n_out, w, out); break;
     default: break;
   }
 }
@@ -367,24 +450,27 @@ void run(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t n_out, 
   const int64_t spans = (n_out + kSpan - 1) / kSpan;
   const int64_t chunk = std::max(kActBlock, kChunkBytes / a.k_step / kActBlock * kActBlock);
   at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
-    std::unique_ptr<RowBuffer> buffer;
-    if (rows > kActBlock) buffer = std::make_unique<RowBuffer>(a.k_step);
+    if (rows <= kActBlock) {
+      std::unique_ptr<float[]> scales(new float[kRowBlock * w.row_groups]);
+      std::unique_ptr<float[]> mins(w.mins ? new float[kRowBlock * w.row_groups] : nullptr);
+      for (int64_t n0 = begin * kSpan; n0 < std::min(n_out, end * kSpan); n0 += kRowBlock) {
+        const int64_t count = std::min(kRowBlock, n_out - n0);
+        const Direct direct{w, n0, scales.get(), mins.get()};
+        direct.decode(count);
+        dot_rows<Bits>(direct, 0, a, 0, rows, n0, count, n_out, w, out);
+      }
+      return;
+    }
+    RowBuffer buffer(a.k_step, w);
     for (int64_t span = begin; span < end; ++span) {
       const int64_t first = span * kSpan;
       const int64_t last = std::min(n_out, first + kSpan);
-      if (!buffer) {
-        for (int64_t n0 = first; n0 < last; n0 += kRowBlock) {
-          const int64_t count = std::min(kRowBlock, last - n0);
-          dot_rows<Bits>(Direct{w}, n0, a, 0, rows, n0, count, n_out, w.k_pad, out);
-        }
-        continue;
-      }
-      for (int64_t n = first; n < last; ++n) buffer->fill<Bits>(w, n - first, n);
+      for (int64_t n = first; n < last; ++n) buffer.fill<Bits>(w, n - first, n);
       for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
         for (int64_t n0 = first; n0 < last; n0 += kRowBlock) {
           const int64_t count = std::min(kRowBlock, last - n0);
-          dot_rows<Bits>(*buffer, n0 - first, a, m0, std::min(rows, m0 + chunk), n0, count,
-                         n_out, w.k_pad, out);
+          dot_rows<Bits>(buffer, n0 - first, a, m0, std::min(rows, m0 + chunk), n0, count, n_out,
+                         w, out);
         }
       }
     }
@@ -420,9 +506,8 @@ inline vec load_i8(const int8_t* p) {
 #endif
 }
 
-void dequant_row(const QuantWeight& w, int64_t n, float* dst) {
-  const float* s = w.scales + n * w.row_groups;
-  const float* m = w.mins ? w.mins + n * w.row_groups : nullptr;
+// Row n into dst, given its decoded scales `s` and mins `m` (nullptr: none).
+void dequant_row(const QuantWeight& w, int64_t n, const float* s, const float* m, float* dst) {
   const uint8_t* row = w.q + n * w.row_bytes;
   if (w.bits == 4) {
     for (int64_t b = 0; b < w.k_pad / kBlock; ++b) {
@@ -442,15 +527,30 @@ void dequant_row(const QuantWeight& w, int64_t n, float* dst) {
   }
 }
 
+// Per-thread buffers for one row's decoded scales and mins.
+struct RowFactors {
+  std::unique_ptr<float[]> scales, mins;
+
+  explicit RowFactors(const QuantWeight& w)
+      : scales(new float[w.row_groups]), mins(w.mins ? new float[w.row_groups] : nullptr) {}
+
+  void dequant(const QuantWeight& w, int64_t n, float* dst) {
+    w.scales.decode(n, scales.get());
+    if (mins) w.mins.decode(n, mins.get());
+    dequant_row(w, n, scales.get(), mins.get(), dst);
+  }
+};
+
 void float_row(const QuantWeight& w, const float* x, int64_t n_out, float* out) {
   const int64_t k_pad = w.k_pad;
   at::parallel_for(0, (n_out + kRowBlock - 1) / kRowBlock, 1, [&](int64_t begin, int64_t end) {
     std::unique_ptr<float[]> buf(new float[kRowBlock * k_pad]);
+    RowFactors factors(w);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kRowBlock;
       const int64_t count = std::min(kRowBlock, n_out - n0);
       for (int64_t j = 0; j < kRowBlock; ++j) {
-        dequant_row(w, n0 + std::min(j, count - 1), buf.get() + j * k_pad);
+        factors.dequant(w, n0 + std::min(j, count - 1), buf.get() + j * k_pad);
       }
       vec acc[kRowBlock] = {};
       for (int64_t k = 0; k < k_pad; k += kLanes) {
@@ -479,10 +579,11 @@ void tiled_gemm(const QuantWeight& w, const at::Tensor& xp, int64_t n_out, float
   at::parallel_for(0, (n_out + tile_rows - 1) / tile_rows, 1, [&](int64_t begin, int64_t end) {
     at::Tensor tile = at::empty({tile_rows, k_pad}, xp.options());
     float* tile_ptr = tile.data_ptr<float>();
+    RowFactors factors(w);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile_rows;
       const int64_t count = std::min(tile_rows, n_out - n0);
-      for (int64_t j = 0; j < count; ++j) dequant_row(w, n0 + j, tile_ptr + j * k_pad);
+      for (int64_t j = 0; j < count; ++j) factors.dequant(w, n0 + j, tile_ptr + j * k_pad);
       // Copied by hand: worker threads do not run in the caller's inference mode,
       // so ATen may not write to `out` there.
       const at::Tensor part = at::mm(xp, tile.narrow(0, 0, count).t()).contiguous();
@@ -494,30 +595,58 @@ void tiled_gemm(const QuantWeight& w, const at::Tensor& xp, int64_t n_out, float
   });
 }
 
+// Factors from their tensors (see formats.py's GroupFactors).
+Factors factors(const std::optional<at::Tensor>& base, const std::optional<at::Tensor>& codes,
+                int64_t rows, int64_t groups, const char* name) {
+  Factors f;
+  if (!base.has_value()) {
+    TORCH_CHECK(!codes.has_value(), name, " codes without a base");
+    return f;
+  }
+  TORCH_CHECK(base->is_contiguous() && base->dim() == 2 && base->size(0) == rows, name,
+              " base must be contiguous [N, groups / per]");
+  TORCH_CHECK(base->scalar_type() == at::kHalf || base->scalar_type() == at::kFloat, name,
+              " base must be float16 or float32");
+  f.base = base->data_ptr();
+  f.half = base->scalar_type() == at::kHalf;
+  f.groups = groups;
+  if (codes.has_value()) {
+    TORCH_CHECK(codes->is_contiguous() && codes->scalar_type() == at::kChar &&
+                    codes->size(0) == rows && codes->size(1) == groups,
+                name, " codes must be int8 [N, groups]");
+    TORCH_CHECK(groups % base->size(1) == 0, name, " base must divide the groups evenly");
+    f.codes = codes->data_ptr<int8_t>();
+    f.per = groups / base->size(1);
+  } else {
+    TORCH_CHECK(base->size(1) == groups, name, " base must be [N, groups] without codes");
+  }
+  return f;
+}
+
 void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight,
-                  const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t bits,
-                  int64_t group) {
+                  const at::Tensor& scale_base, const std::optional<at::Tensor>& scale_codes,
+                  const std::optional<at::Tensor>& min_base,
+                  const std::optional<at::Tensor>& min_codes, int64_t bits, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat, "out must be float32");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(group == 16 || group == 32, "group must be 16 or 32");
-  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous(), "weights must be contiguous");
-  TORCH_CHECK(!mins.has_value() || mins->is_contiguous(), "mins must be contiguous");
+  TORCH_CHECK(qweight.is_contiguous(), "weights must be contiguous");
   const int64_t rows = x.size(0);
   const int64_t n_out = qweight.size(0);
   const int64_t k_pad = bits == 4 ? qweight.size(1) * 2 : qweight.size(1);
   TORCH_CHECK(k_pad % 32 == 0 && x.size(1) <= k_pad, "x has more columns than the weight");
   TORCH_CHECK(out.size(0) == rows && out.size(1) == n_out, "out must be [M, N]");
-  TORCH_CHECK(scales.size(1) == k_pad / group, "scales must be [N, K_pad / group]");
+  const int64_t groups = k_pad / group;
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   const QuantWeight w{bits,
                       group,
                       k_pad,
                       qweight.size(1),
-                      scales.size(1),
+                      groups,
                       reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
-                      scales.data_ptr<float>(),
-                      mins.has_value() ? mins->data_ptr<float>() : nullptr};
+                      factors(scale_base, scale_codes, n_out, groups, "scale"),
+                      factors(min_base, min_codes, n_out, groups, "min")};
   if (rows == 1 || rows >= kGemmRows) {
     at::Tensor xp = xc;
     if (x.size(1) != k_pad) {
@@ -538,16 +667,14 @@ void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight
   } else {
     run<8>(w, acts, rows, n_out, out.data_ptr<float>());
   }
-  // The min term is a small float matmul: [M, groups] @ [groups, N].
-  if (mins.has_value()) out.addmm_(acts.x_sums, mins->t());
 }
 
 }  // namespace
 
 TORCH_LIBRARY(tokenloom_quant, m) {
   m.def(
-      "quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor? mins, "
-      "int bits, int group) -> ()");
+      "quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scale_base, "
+      "Tensor? scale_codes, Tensor? min_base, Tensor? min_codes, int bits, int group) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_quant, CPU, m) { m.impl("quant_linear", &quant_linear); }
