@@ -96,27 +96,8 @@ struct Factors {
                 : static_cast<const float*>(base)[i];
   }
 
-  // Row n's `groups` values into dst.
-  void decode(int64_t n, float* dst) const {
-    if (codes) {
-      const int64_t bases = groups / per;
-      const int8_t* c = codes + n * groups;
-      for (int64_t b = 0; b < bases; ++b) {
-        const float s = base_at(n * bases + b);
-        for (int64_t g = b * per; g < (b + 1) * per; ++g) dst[g] = s * static_cast<float>(c[g]);
-      }
-    } else if (half) {
-      const uint16_t* h = static_cast<const uint16_t*>(base) + n * groups;
-      int64_t g = 0;
-      for (; g + 8 <= groups; g += 8) {
-        const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + g));
-        _mm256_storeu_ps(dst + g, _mm256_cvtph_ps(bits));
-      }
-      for (; g < groups; ++g) dst[g] = _cvtsh_ss(h[g]);
-    } else {
-      std::memcpy(dst, static_cast<const float*>(base) + n * groups, groups * sizeof(float));
-    }
-  }
+  // Row n's `groups` values into dst (defined below, after load_i8).
+  void decode(int64_t n, float* dst) const;
 };
 
 struct QuantWeight {
@@ -504,6 +485,38 @@ inline vec load_i8(const int8_t* p) {
   std::memcpy(&v, halves, sizeof(v));
   return v;
 #endif
+}
+
+// Sixteen groups at a time where the bases repeat evenly over the vector (per 16:
+// Q6_K; per 8: Q4_K/Q5_K), so a batch-1 row does not pay a scalar multiply per
+// group; other forms and the tail go one group at a time.
+void Factors::decode(int64_t n, float* dst) const {
+  int64_t g = 0;
+  if (codes) {
+    const int64_t bases = groups / per;
+    const int8_t* c = codes + n * groups;
+    if (per % kLanes == 0) {
+      for (; g + kLanes <= groups; g += kLanes) {
+        store(dst + g, load_i8(c + g) * base_at(n * bases + g / per));
+      }
+    } else if (per == kLanes / 2) {
+      const ivec high = ivec{8, 8, 8, 8, 8, 8, 8, 8, 0, 0, 0, 0, 0, 0, 0, 0} == 0;
+      for (; g + kLanes <= groups; g += kLanes) {
+        const float lo = base_at(n * bases + g / per), hi = base_at(n * bases + g / per + 1);
+        store(dst + g, load_i8(c + g) * (high ? vec{} + hi : vec{} + lo));
+      }
+    }
+    for (; g < groups; ++g) dst[g] = base_at(n * bases + g / per) * static_cast<float>(c[g]);
+  } else if (half) {
+    const uint16_t* h = static_cast<const uint16_t*>(base) + n * groups;
+    for (; g + 8 <= groups; g += 8) {
+      const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + g));
+      _mm256_storeu_ps(dst + g, _mm256_cvtph_ps(bits));
+    }
+    for (; g < groups; ++g) dst[g] = _cvtsh_ss(h[g]);
+  } else {
+    std::memcpy(dst, static_cast<const float*>(base) + n * groups, groups * sizeof(float));
+  }
 }
 
 // Row n into dst, given its decoded scales `s` and mins `m` (nullptr: none).
