@@ -299,41 +299,24 @@ QuantActs quantize_acts(const float* x, int64_t rows, int64_t cols, int64_t x_st
   return a;
 }
 
-// Decoded mins of a source's rows and the activations' group sums: the min term
-// sum_g min[n, g] * x_sums[m, g] of one output.
-inline float min_term(const float* mins, const float* x_sums, int64_t groups) {
-  vec acc{};
-  int64_t g = 0;
-  for (; g + kLanes <= groups; g += kLanes) acc += load(mins + g) * load(x_sums + g);
-  float total = lane_sum(acc);
-  for (; g < groups; ++g) total += mins[g] * x_sums[g];
-  return total;
-}
-
-// kSpan output rows' steps unpacked once (and their mins decoded), for many
-// activation rows.
+// kSpan output rows' steps unpacked once, for many activation rows.
 struct RowBuffer {
   int64_t k_step;
-  int64_t groups;
   std::unique_ptr<int8_t[]> codes;   // [kSpan, k_step]
   std::unique_ptr<float[]> lane_s;   // [kSpan, k_step / 4]
   std::unique_ptr<int32_t[]> init;   // [kSpan, k_step / 4]
   std::unique_ptr<float[]> row_scales;  // [groups], one row's while it is unpacked
-  std::unique_ptr<float[]> row_mins;    // [kSpan, groups], or empty without mins
 
   RowBuffer(int64_t k, const QuantWeight& w)
       : k_step(k),
-        groups(w.row_groups),
         codes(new int8_t[kSpan * k]),
         lane_s(new float[kSpan * k / 4]),
         init(new int32_t[kSpan * k / 4]),
-        row_scales(new float[w.row_groups]),
-        row_mins(w.mins ? new float[kSpan * w.row_groups] : nullptr) {}
+        row_scales(new float[w.row_groups]) {}
 
   template <int Bits>
   void fill(const QuantWeight& w, int64_t row, int64_t n) {
     w.scales.decode(n, row_scales.get());
-    if (w.mins) w.mins.decode(n, row_mins.get() + row * groups);
     for (int64_t c = 0; c < w.k_pad; c += kStep) {
       const Step s = unpack_step<Bits>(w, n, c, row_scales.get());
       store_i(codes.get() + row * k_step + c, s.q);
@@ -348,32 +331,22 @@ struct RowBuffer {
     return Step{load_i(codes.get() + at), load_f(lane_s.get() + at / 4),
                 load_i(init.get() + at / 4)};
   }
-
-  const float* mins(int64_t row) const { return row_mins ? row_mins.get() + row * groups : nullptr; }
 };
 
 // Steps unpacked straight from the weights of kRowBlock output rows from n0, for
-// few activation rows; their scales and mins decoded into per-thread buffers.
+// few activation rows; their scales decoded into a per-thread buffer.
 struct Direct {
   const QuantWeight& w;
   int64_t n0;
   float* row_scales;  // [kRowBlock, groups]
-  float* row_mins;    // [kRowBlock, groups], or nullptr without mins
 
   void decode(int64_t count) const {
-    for (int64_t j = 0; j < count; ++j) {
-      w.scales.decode(n0 + j, row_scales + j * w.row_groups);
-      if (row_mins) w.mins.decode(n0 + j, row_mins + j * w.row_groups);
-    }
+    for (int64_t j = 0; j < count; ++j) w.scales.decode(n0 + j, row_scales + j * w.row_groups);
   }
 
   template <int Bits>
   Step get(int64_t row, int64_t c) const {
     return unpack_step<Bits>(w, n0 + row, c, row_scales + row * w.row_groups);
-  }
-
-  const float* mins(int64_t row) const {
-    return row_mins ? row_mins + row * w.row_groups : nullptr;
   }
 };
 
@@ -400,13 +373,7 @@ void dot_tile(const Source& src, int64_t r0, const QuantActs& a, int64_t m0, int
     }
   }
   for (int r = 0; r < Rows; ++r) {
-    for (int64_t j = 0; j < count; ++j) {
-      float value = hsum(acc[j][r]);
-      if (const float* mins = src.mins(r0 + j)) {
-        value += min_term(mins, a.x_sums.get() + (m0 + r) * w.row_groups, w.row_groups);
-      }
-      out[(m0 + r) * n_out + n0 + j] = value;
-    }
+    for (int64_t j = 0; j < count; ++j) out[(m0 + r) * n_out + n0 + j] = hsum(acc[j][r]);
   }
 }
 
@@ -433,10 +400,9 @@ void run(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t n_out, 
   at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
     if (rows <= kActBlock) {
       std::unique_ptr<float[]> scales(new float[kRowBlock * w.row_groups]);
-      std::unique_ptr<float[]> mins(w.mins ? new float[kRowBlock * w.row_groups] : nullptr);
       for (int64_t n0 = begin * kSpan; n0 < std::min(n_out, end * kSpan); n0 += kRowBlock) {
         const int64_t count = std::min(kRowBlock, n_out - n0);
-        const Direct direct{w, n0, scales.get(), mins.get()};
+        const Direct direct{w, n0, scales.get()};
         direct.decode(count);
         dot_rows<Bits>(direct, 0, a, 0, rows, n0, count, n_out, w, out);
       }
@@ -679,6 +645,17 @@ void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight
     run<4>(w, acts, rows, n_out, out.data_ptr<float>());
   } else {
     run<8>(w, acts, rows, n_out, out.data_ptr<float>());
+  }
+  // The min term is a small float matmul, [M, groups] @ [groups, N], on the
+  // decoded mins (per output in the tiles it cost more than the dot products
+  // at the default model's K = 576).
+  if (w.mins) {
+    at::Tensor mins = at::empty({n_out, groups}, x.options());
+    float* mins_ptr = mins.data_ptr<float>();
+    at::parallel_for(0, n_out, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) w.mins.decode(n, mins_ptr + n * groups);
+    });
+    out.addmm_(at::from_blob(acts.x_sums.get(), {rows, groups}, x.options()), mins.t());
   }
 }
 
