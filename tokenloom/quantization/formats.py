@@ -86,8 +86,8 @@ class GroupFactors:
 
 
 def _factors(values: np.ndarray | torch.Tensor) -> GroupFactors:
-    """Per-group float values as fp16 where that is exact and in range (GGUF's
-    fp16 fields, or values rounded to fp16 by ``quantize_float``), else float32."""
+    """``quantize_float``'s per-group values as fp16 where that is exact and in
+    range (it rounds them to fp16 first, so only out-of-range ones stay float32)."""
     t = torch.as_tensor(values, dtype=torch.float32).contiguous()
     half = t.half()
     exact = bool(t.abs().max() <= _FP16_MAX) and torch.equal(half.float(), t)
