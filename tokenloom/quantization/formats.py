@@ -18,8 +18,8 @@ cost what the file does plus the codes' unpacking (Q4_K: 4.6 bits per weight
 against the file's 4.5; Q6_K, widened to int8: 8.6 against 6.6).
 
 ``quantize_float`` makes the same layouts from float weights (``int4``:
-asymmetric 4-bit per 32 columns; ``int8``: symmetric 8-bit per 32 columns, both
-with fp16 factors) for Hugging Face checkpoints. Columns are padded with zeros to
+asymmetric 4-bit per 32 columns; ``int8``: symmetric 8-bit per 32 columns) for
+Hugging Face checkpoints. Columns are padded with zeros to
 a multiple of 32.
 """
 
@@ -87,7 +87,8 @@ class GroupFactors:
 
 def _factors(values: np.ndarray | torch.Tensor) -> GroupFactors:
     """``quantize_float``'s per-group values as fp16 where that is exact and in
-    range (it rounds them to fp16 first, so only out-of-range ones stay float32)."""
+    range, else float32; computed scales are rarely exact in fp16, so in
+    practice they stay float32."""
     t = torch.as_tensor(values, dtype=torch.float32).contiguous()
     half = t.half()
     exact = bool(t.abs().max() <= _FP16_MAX) and torch.equal(half.float(), t)
