@@ -4,7 +4,7 @@ supported type (random bytes with sane fp16 scales, checked against
 (bits, group, mins) layout with random codes, on odd shapes (K not a multiple
 of 32, N odd) and 1 to 130 rows.
 
-From 2 to 31 rows the native kernel quantizes the activations to int8 per 8
+Below 32 rows the native kernel quantizes the activations to int8 per 8
 columns, so it is compared exactly (float64, 1e-4 relative) with a reference that quantizes them
 the same way, and with the dequantized float reference within the error that
 activation rounding can cause (half a step per element); the torch fallback
@@ -39,35 +39,44 @@ def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor, tol: float =
     torch.testing.assert_close(actual.double(), expected.double(), rtol=0, atol=tol * scale)
 
 
-def quantized_activations(x: torch.Tensor, k_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantized_activations(
+    x: torch.Tensor, k_pad: int, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """What the kernel computes with: x rounded to int8 per ACT_GROUP columns
-    (scale max|x| / 127, ties to even), as float64, and half a step per element."""
+    (scale max|x| / 127, ties to even), as float64, and half a step per element.
+    For 8-bit weights a group is 8 consecutive columns; for 4-bit ones, columns
+    4i..4i+3 and 16+4i..16+4i+3 of each 32-column block (the two nibbles of the
+    kernel's int32 lane)."""
     rows, k = x.shape
     padded = torch.zeros(rows, k_pad)
     padded[:, :k] = x
-    blocks = padded.view(rows, -1, ACT_GROUP)
+    order = torch.arange(k_pad)
+    if bits == 4:
+        within = torch.arange(32).view(2, 4, 4).transpose(0, 1).reshape(32)
+        order = (order.view(-1, 32)[:, within]).reshape(k_pad)
+    blocks = padded[:, order].view(rows, -1, ACT_GROUP)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.where(scale > 0, torch.round(blocks / safe), torch.zeros_like(blocks))
     half_step = (scale / 2).expand_as(blocks)
+    inverse = torch.argsort(order)
     return (
-        (codes.double() * scale.double()).reshape(rows, k_pad)[:, :k],
-        half_step.double().reshape(rows, k_pad)[:, :k],
+        (codes.double() * scale.double()).reshape(rows, k_pad)[:, inverse][:, :k],
+        half_step.double().reshape(rows, k_pad)[:, inverse][:, :k],
     )
 
 
 def check_native(x: torch.Tensor, weight: QuantizedWeight) -> None:
     """The native kernel against its exact reference and, within the activation
-    rounding's bound, the dequantized float reference. One row (decode) and
-    GEMM_ROWS rows or more run in float32 on the dequantized weights; the rows
-    between with int8 activations."""
+    rounding's bound, the dequantized float reference. GEMM_ROWS rows or more
+    run in float32 on the dequantized weights; fewer with int8 activations."""
     assert native_available()
     out = quant_matmul(x, weight).double()
     w = weight.dequantize().double()
-    if x.shape[0] == 1 or x.shape[0] >= GEMM_ROWS:
+    if x.shape[0] >= GEMM_ROWS:
         assert_close_fp32(out, F.linear(x.double(), w))
         return
-    xq, half_step = quantized_activations(x, weight.scales.groups * weight.group)
+    xq, half_step = quantized_activations(x, weight.scales.groups * weight.group, weight.bits)
     expected = F.linear(xq, w)
     assert_close_fp32(out, expected, tol=1e-4)
     bound = F.linear(half_step, w.abs()) + 2e-5 * (float(expected.abs().max()) + 1e-6)

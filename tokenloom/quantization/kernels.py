@@ -23,19 +23,14 @@ _SOURCES = [Path(__file__).parent / "csrc" / "quant_linear.cpp"]
 
 
 @functools.cache
-def _load() -> bool:
-    return build_extension("tokenloom_quant", _SOURCES)
-
-
 def native_available() -> bool:
-    """Whether the native kernel can be used in this process."""
-    return kernels_enabled() and _load()
+    """Whether the native kernel can be used in this process (decided once: a
+    batch-1 step makes about 120 calls)."""
+    return kernels_enabled() and build_extension("tokenloom_quant", _SOURCES)
 
 
 def quant_matmul(x: torch.Tensor, weight: QuantizedWeight, native: bool = True) -> torch.Tensor:
     """``x [M, K] float32 @ dequant(weight).T -> [M, N]``."""
     if native and native_available():
-        out = x.new_empty(x.shape[0], weight.out_features)
-        torch.ops.tokenloom_quant.quant_linear(out, x, *weight.kernel_args())
-        return out
+        return torch.ops.tokenloom_quant.quant_linear(x, *weight.kernel_args())
     return F.linear(x, weight.dequantize())

@@ -19,27 +19,34 @@
 // i.e. exactly dequant(W) against the rounded activations. (The float x in the
 // min term alone is worse: Q4_1's codes and mins are far from centred, and the
 // default model's argmax agreement fell from 98% to 95%.)
-// Per 8 and not per 32 columns as llama.cpp's Q8_0: it costs the same (one
-// permute per step brings the scales to their lanes either way) and per 32 moved
-// the default model's greedy argmax away from the float model's at 3.3% of
-// teacher-forced positions (per 8: 1.9%; the tests allow 3%).
+// Per 8 and not per 32 columns as llama.cpp's Q8_0: it costs the same (the
+// scales arrive per int32 lane either way) and per 32 moved the default model's
+// greedy argmax away from the float model's at 3.3% of teacher-forced positions
+// (per 8: 1.9%; the tests allow 3%). For 8-bit weights a group a is 8
+// consecutive columns. For 4-bit ones the activations are laid out as the
+// weight bytes are, so that a vector of packed codes needs only a mask and a
+// shift: per step the low-nibble columns (0-15 of each 32-column block), then
+// the high-nibble ones (16-31); a group a is then columns 4i..4i+3 and
+// 16+4i..16+4i+3 of a block (i < 4), the two halves of one int32 lane.
 // The dot products are integer: AVX-512 VNNI `vpdpbusd` (u8 x s8 -> s32) over
-// 64 columns at a time, or on AVX2 machines AVX-VNNI or `vpmaddubsw` +
+// 64 bytes at a time, or on AVX2 machines AVX-VNNI or `vpmaddubsw` +
 // `vpmaddwd` over 32, chosen at compile time (the build is -march=native).
 // `vpdpbusd` multiplies unsigned by signed bytes: 4-bit codes are the unsigned
 // side; for signed 8-bit codes the activations become u8 (xq + 128) and the
 // accumulator starts at -128 * sum(q), computed with one more `vpdpbusd` per
 // weight block; without VNNI, 8-bit codes use |q| and sign(xq, q) instead.
 //
-// Each thread takes 32 output rows at a time. With up to four activation rows
-// it unpacks each weight step into registers and uses it at once; with more it
-// first unpacks the 32 rows' codes and per-lane scales into a buffer that stays
-// in L1/L2 and runs chunks of activation rows against them. Tiles of four output
-// by four activation rows keep one float accumulator per pair in a register (the
-// int32 dot of each step is scaled by ws * xs and added to it). A single
-// activation row takes the float path below instead (float_row), and so do
-// kGemmRows rows and more (tiled_gemm: dequantized tiles through at::mm). Without AVX2
-// the build fails and kernels.py falls back to dequantizing.
+// With up to four activation rows (decode) each thread takes four output rows at
+// a time, unpacks each weight step into registers and uses it at once, adding
+// the min term per output; this streams the weights at memory speed, where
+// dequantizing them to float for one row was compute-bound. With more rows it
+// first unpacks 32 output rows' codes and per-lane scales into a buffer that
+// stays in L1/L2 and runs chunks of activation rows against them, the min term
+// one addmm for the call. Tiles of four output by up to four activation rows
+// keep one float accumulator per pair in a register (the int32 dot of each step
+// is scaled by ws * xs and added to it). From kGemmRows rows (tiled_gemm)
+// dequantized tiles go through at::mm. Without AVX2 the build fails and
+// kernels.py falls back to dequantizing.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -61,6 +68,10 @@ constexpr int64_t kRowBlock = 4;           // output rows per register tile
 constexpr int64_t kActBlock = 4;           // activation rows per register tile
 constexpr int64_t kSpan = 32;              // output rows a thread takes at once
 constexpr int64_t kChunkBytes = 16 << 10;  // activation bytes run against a span at once
+#ifndef TL_PREFETCH_ROWS
+#define TL_PREFETCH_ROWS 16
+#endif
+constexpr int64_t kPrefetchRows = TL_PREFETCH_ROWS;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TL_VNNI 1
@@ -111,13 +122,24 @@ struct QuantWeight {
   Factors mins;  // empty: no offsets
 };
 
-// One step of one output row, ready for the dot products: codes (u8 0..15 for 4
-// bits, s8 for 8), the weight scale of each int32 lane, and for 8-bit VNNI the
-// accumulator start -128 * sum(q) of each lane (else zero).
+constexpr int64_t kLanes32 = kStep / 4;  // int32 lanes per vector
+
+// Columns one vector step of codes covers: 4-bit codes are two to a byte.
+template <int Bits>
+constexpr int64_t step_cols() {
+  return Bits == 4 ? 2 * kStep : kStep;
+}
+
+// One step of one output row, ready for the dot products. 4 bits: `q` holds the
+// low nibbles (columns 0-15 of each 32-column block of the step) and `hi` the
+// high ones (columns 16-31), both u8 0..15; 8 bits: `q` the s8 codes and, with
+// VNNI, `init` each lane's accumulator start -128 * sum(q). `ws`: the weight
+// scale of each int32 lane.
 struct Step {
   ivec_t q;
-  fvec_t ws;
+  ivec_t hi;
   ivec_t init;
+  fvec_t ws;
 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -132,50 +154,28 @@ inline fvec_t fma(fvec_t a, fvec_t b, fvec_t c) { return _mm512_fmadd_ps(a, b, c
 inline fvec_t mul(fvec_t a, fvec_t b) { return _mm512_mul_ps(a, b); }
 inline float hsum(fvec_t v) { return _mm512_reduce_add_ps(v); }
 inline ivec_t dpbusd(ivec_t acc, ivec_t u, ivec_t s) { return _mm512_dpbusd_epi32(acc, u, s); }
+inline ivec_t low_nibbles(ivec_t v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+inline ivec_t high_nibbles(ivec_t v) {
+  return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
+}
+inline ivec_t minus_128_sums(ivec_t q) {
+  return _mm512_sub_epi32(zero_i(), dpbusd(zero_i(), _mm512_set1_epi8(-128), q));
+}
 
-// `per`-lane runs of the first floats at p: lane l gets p[l / per] (masked load).
-inline fvec_t spread(const float* p, int64_t per, int64_t valid) {
+// The row's code bytes at p, `avail` of which belong to it (zeros past them).
+inline ivec_t load_codes(const uint8_t* p, int64_t avail) {
+  if (avail >= kStep) return load_i(p);
+  return _mm512_maskz_loadu_epi8((1ull << avail) - 1, p);
+}
+
+// Runs of `per` lanes (4 or 8) of the floats at p: lane l gets p[l / per].
+inline fvec_t spread(const float* p, int64_t per) {
   const ivec_t lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const ivec_t idx = per == 8 ? _mm512_srli_epi32(lane, 3) : _mm512_srli_epi32(lane, 2);
-  const fvec_t v = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << valid) - 1), p);
-  return _mm512_permutexvar_ps(idx, v);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(p)));
 }
 
-// The eight activation scales of a step, each over its two lanes.
-inline fvec_t act_scales(const float* p) {
-  const ivec_t idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_loadu_ps(p)));
-}
-
-// Columns [c0, c0 + 64) of row n, whose decoded scales are `scales`; the second
-// block may lie past K_pad (then zero).
-template <int Bits>
-inline Step unpack_step(const QuantWeight& w, int64_t n, int64_t c0, const float* scales) {
-  const int64_t blocks = std::min<int64_t>(2, (w.k_pad - c0) / kBlock);
-  const uint8_t* row = w.q + n * w.row_bytes;
-  Step s;
-  if (Bits == 4) {
-    const __m256i packed = _mm256_maskz_loadu_epi8(blocks == 2 ? ~0u : 0xFFFFu, row + c0 / 2);
-    // [b0 bytes, b0 bytes, b1 bytes, b1 bytes], each second copy shifted to its
-    // high nibbles: the 64 columns in order.
-    const ivec_t both = _mm512_shuffle_i64x2(_mm512_castsi256_si512(packed),
-                                             _mm512_castsi256_si512(packed), 0x50);
-    const long long four = 0x0004000400040004LL;
-    const ivec_t shifts = _mm512_set_epi64(four, four, 0, 0, four, four, 0, 0);
-    s.q = _mm512_and_si512(_mm512_srlv_epi16(both, shifts), _mm512_set1_epi8(15));
-    s.init = zero_i();
-  } else {
-    s.q = _mm512_maskz_loadu_epi8(blocks == 2 ? ~0ull : 0xFFFFFFFFull, row + c0);
-    s.init = _mm512_sub_epi32(zero_i(), dpbusd(zero_i(), _mm512_set1_epi8(-128), s.q));
-  }
-  s.ws = spread(scales + c0 / w.group, w.group / 4, blocks * kBlock / w.group);
-  return s;
-}
-
-template <int Bits>
-inline ivec_t dot(const Step& s, ivec_t x) {
-  return Bits == 4 ? dpbusd(s.init, s.q, x) : dpbusd(s.init, x, s.q);
-}
+inline ivec_t dot8(const Step& s, ivec_t x) { return dpbusd(s.init, x, s.q); }
 
 #else
 inline ivec_t load_i(const void* p) {
@@ -202,38 +202,31 @@ inline ivec_t dpbusd(ivec_t acc, ivec_t u, ivec_t s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
-
-// The four activation scales of a step, each over its two lanes.
-inline fvec_t act_scales(const float* p) {
-  const __m256i idx = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
-  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(p)), idx);
+inline ivec_t low_nibbles(ivec_t v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+inline ivec_t high_nibbles(ivec_t v) {
+  return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
 }
-
-// Columns [c0, c0 + 32) (one block) of row n, whose decoded scales are `scales`.
-template <int Bits>
-inline Step unpack_step(const QuantWeight& w, int64_t n, int64_t c0, const float* scales) {
-  const uint8_t* row = w.q + n * w.row_bytes;
-  Step s;
-  s.init = zero_i();
-  if (Bits == 4) {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c0 / 2));
-    s.q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
-                           _mm256_set1_epi8(15));
-  } else {
-    s.q = load_i(row + c0);
+inline ivec_t minus_128_sums(ivec_t q) {
 #if TL_VNNI
-    s.init = _mm256_sub_epi32(zero_i(), dpbusd(zero_i(), _mm256_set1_epi8(-128), s.q));
+  return _mm256_sub_epi32(zero_i(), dpbusd(zero_i(), _mm256_set1_epi8(-128), q));
+#else
+  (void)q;
+  return zero_i();
 #endif
-  }
-  const float* sc = scales + c0 / w.group;
-  s.ws = w.group == 32 ? _mm256_set1_ps(sc[0])
-                       : _mm256_set_m128(_mm_set1_ps(sc[1]), _mm_set1_ps(sc[0]));
-  return s;
 }
 
-template <int Bits>
-inline ivec_t dot(const Step& s, ivec_t x) {
-  if (Bits == 4) return dpbusd(s.init, s.q, x);
+inline ivec_t load_codes(const uint8_t* p, int64_t avail) {
+  if (avail >= kStep) return load_i(p);
+  alignas(32) uint8_t tail[kStep] = {};
+  std::memcpy(tail, p, avail);
+  return load_i(tail);
+}
+
+inline fvec_t spread(const float* p, int64_t per) {
+  return per == 8 ? _mm256_set1_ps(p[0]) : _mm256_set_m128(_mm_set1_ps(p[1]), _mm_set1_ps(p[0]));
+}
+
+inline ivec_t dot8(const Step& s, ivec_t x) {
 #if TL_VNNI
   return dpbusd(s.init, x, s.q);
 #else
@@ -243,172 +236,250 @@ inline ivec_t dot(const Step& s, ivec_t x) {
 }
 #endif
 
+// Columns [c0, c0 + step_cols) of row n, whose decoded scales are `scales` (read
+// past the row's groups: the buffer is zero-padded); codes past K_pad are zero.
+template <int Bits>
+inline Step unpack_step(const QuantWeight& w, int64_t n, int64_t c0, const float* scales) {
+  const int64_t offset = c0 * Bits / 8;
+  const ivec_t raw = load_codes(w.q + n * w.row_bytes + offset, w.row_bytes - offset);
+  Step s;
+  if (Bits == 4) {
+    s.q = low_nibbles(raw);
+    s.hi = high_nibbles(raw);
+    s.init = zero_i();
+  } else {
+    s.q = raw;
+    s.hi = zero_i();
+    s.init = minus_128_sums(raw);
+  }
+  // A 4-bit lane holds columns of one 32-column block; an 8-bit lane 4 columns.
+  s.ws = spread(scales + c0 / w.group, Bits == 4 ? 4 : w.group / 4);
+  return s;
+}
+
+// The int32 lanes of one step's dot products against activations x (laid out
+// as the step's bytes, see quantize_acts).
+template <int Bits>
+inline ivec_t dot(const Step& s, const int8_t* x) {
+  if (Bits == 4) return dpbusd(dpbusd(zero_i(), s.q, load_i(x)), s.hi, load_i(x + kStep));
+  return dot8(s, load_i(x));
+}
+
 // 8-bit weights with VNNI take activations as u8 = xq + 128 (xq ^ 0x80).
 constexpr bool kUnsignedX8 = TL_VNNI;
 
-// Quantized activations, rows padded with zeros to `k_step` columns (a multiple
-// of kStep).
+// Quantized activations, each row in the byte order of the weight steps and
+// padded with zeros to whole steps: for 8-bit weights the columns in order, for
+// 4-bit ones per step the low-nibble columns (0-15 of each block) and then the
+// high-nibble ones. Each int32 lane's 4 (or 4 + 4) columns share a scale with
+// the lane beside them for 8 bits; for 4 bits the lane's 8 columns have it.
 struct QuantActs {
-  int64_t k_step;
-  std::unique_ptr<int8_t[]> q;        // [M, k_step] xq (or xq ^ 0x80 for 8-bit VNNI)
-  std::unique_ptr<float[]> scales;    // [M, k_step / kActGroup] xs
-  std::unique_ptr<float[]> x_sums;    // [M, groups]: sum(xs * xq) per weight group (mins only)
+  int64_t k_cols;                   // columns per row, whole steps
+  int64_t lanes;                    // int32 lanes per row
+  std::unique_ptr<int8_t[]> q;      // [M, k_cols] xq (or xq ^ 0x80 for 8-bit VNNI)
+  std::unique_ptr<float[]> scales;  // [M, lanes] xs of each lane
+  int64_t sum_stride;               // x_sums' row length: the groups, zero-padded to vectors
+  std::unique_ptr<float[]> x_sums;  // [M, sum_stride]: sum(xs * xq) per weight group (mins)
 };
 
 QuantActs quantize_acts(const float* x, int64_t rows, int64_t cols, int64_t x_stride,
                         const QuantWeight& w) {
   QuantActs a;
-  a.k_step = (w.k_pad + kStep - 1) / kStep * kStep;
-  const int64_t per_row = a.k_step / kActGroup;
-  a.q.reset(new int8_t[rows * a.k_step]);
-  a.scales.reset(new float[rows * per_row]);
-  if (w.mins) a.x_sums.reset(new float[rows * w.row_groups]());
+  const int64_t step = w.bits == 4 ? 2 * kStep : kStep;
+  a.k_cols = (w.k_pad + step - 1) / step * step;
+  a.lanes = a.k_cols / step * kLanes32;
+  a.q.reset(new int8_t[rows * a.k_cols]);
+  a.scales.reset(new float[rows * a.lanes]);
+  a.sum_stride = (w.row_groups + kLanes32 - 1) / kLanes32 * kLanes32;
+  if (w.mins) a.x_sums.reset(new float[rows * a.sum_stride]());
   const int8_t flip = (w.bits == 8 && kUnsignedX8) ? int8_t(-128) : int8_t(0);
   const vec magic = vec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to nearest even
-  constexpr int64_t kHalf = kLanes / kActGroup;  // scales per 16 columns
+  // Columns quantized together: a 4-bit block (its two halves side by side), or
+  // 16 columns for 8 bits. Either way lane i of the 16 floats' four lanes has
+  // the scale of float lanes 4i..4i+3.
+  const int64_t unit = w.bits == 4 ? kBlock : kLanes;
+  const int64_t halves = unit / kLanes;
   for (int64_t m = 0; m < rows; ++m) {
     const float* xr = x + m * x_stride;
-    int8_t* qr = a.q.get() + m * a.k_step;
-    float* xs = a.scales.get() + m * per_row;
-    for (int64_t c0 = 0; c0 < a.k_step; c0 += kLanes) {
-      float chunk[kLanes] = {};
-      std::copy(xr + std::min(c0, cols), xr + std::min(c0 + kLanes, cols), chunk);
-      const vec v = load(chunk);
+    int8_t* qr = a.q.get() + m * a.k_cols;
+    float* xs = a.scales.get() + m * a.lanes;
+    for (int64_t c0 = 0; c0 < a.k_cols; c0 += unit) {
+      float chunk[kBlock] = {};
+      if (c0 < cols) std::copy(xr + c0, xr + std::min(c0 + unit, cols), chunk);
+      const vec part[2] = {load(chunk), load(chunk + kLanes)};
+      float amax[kLanes] = {};
+      for (int64_t h = 0; h < halves; ++h) {
+        for (int64_t l = 0; l < kLanes; ++l) amax[l] = std::max(amax[l], std::fabs(part[h][l]));
+      }
+      // 4 bits: one scale per 4 float lanes (of both halves); 8 bits: per 8.
+      const int64_t run = w.bits == 4 ? 4 : 8;
       vec d{}, divisor{};
-      for (int64_t h = 0; h < kHalf; ++h) {
-        float amax = 0.0f;
-        for (int64_t l = h * kActGroup; l < (h + 1) * kActGroup; ++l) {
-          amax = std::max(amax, std::fabs(v[l]));
-        }
-        const float scale = amax / 127.0f;
-        xs[c0 / kActGroup + h] = scale;
-        for (int64_t l = h * kActGroup; l < (h + 1) * kActGroup; ++l) {
+      for (int64_t r0 = 0; r0 < kLanes; r0 += run) {
+        const float scale = *std::max_element(amax + r0, amax + r0 + run) / 127.0f;
+        for (int64_t l = r0; l < r0 + run; ++l) {
           d[l] = scale;
-          divisor[l] = scale > 0.0f ? scale : 1.0f;  // an all-zero group stays zero
+          divisor[l] = scale > 0.0f ? scale : 1.0f;  // an all-zero run stays zero
         }
       }
-      const ivec q = __builtin_convertvector((v / divisor + magic) - magic, ivec);
-      float sum = 0.0f;  // of xs * xq over these 16 columns, for the min term
-      for (int64_t l = 0; l < kLanes; ++l) {
-        qr[c0 + l] = static_cast<int8_t>(q[l]) ^ flip;
-        sum += d[l] * static_cast<float>(q[l]);
+      const int64_t in_step = c0 % step;
+      const int64_t first_lane = (c0 - in_step) / step * kLanes32;
+      float sum = 0.0f;  // of xs * xq over these columns, for the min term
+      for (int64_t h = 0; h < halves; ++h) {
+        const vec q = (part[h] / divisor + magic) - magic;
+        // 4 bits: block b of the step goes to bytes 16b (low half) and kStep + 16b.
+        const int64_t at = w.bits == 4 ? (c0 - in_step) + h * kStep + in_step / 2 : c0;
+        for (int64_t l = 0; l < kLanes; ++l) {
+          qr[at + l] = static_cast<int8_t>(static_cast<int32_t>(q[l])) ^ flip;
+          sum += d[l] * q[l];
+        }
       }
-      if (w.mins && c0 < w.k_pad) a.x_sums[m * w.row_groups + c0 / w.group] += sum;
+      const int64_t lane = first_lane + (w.bits == 4 ? in_step / 8 : in_step / 4);
+      for (int64_t i = 0; i < 4; ++i) xs[lane + i] = d[4 * i];
+      if (w.mins && c0 < w.k_pad) a.x_sums[m * a.sum_stride + c0 / w.group] += sum;
     }
   }
   return a;
 }
 
-// kSpan output rows' steps unpacked once, for many activation rows.
+// kSpan output rows' steps unpacked once, for many activation rows; laid out as
+// the activations are.
 struct RowBuffer {
-  int64_t k_step;
-  std::unique_ptr<int8_t[]> codes;   // [kSpan, k_step]
-  std::unique_ptr<float[]> lane_s;   // [kSpan, k_step / 4]
-  std::unique_ptr<int32_t[]> init;   // [kSpan, k_step / 4]
-  std::unique_ptr<float[]> row_scales;  // [groups], one row's while it is unpacked
+  int64_t k_cols;
+  int64_t lanes;
+  std::unique_ptr<int8_t[]> codes;      // [kSpan, k_cols]
+  std::unique_ptr<float[]> lane_s;      // [kSpan, lanes]
+  std::unique_ptr<int32_t[]> init;      // [kSpan, lanes] (8 bits)
+  std::unique_ptr<float[]> row_scales;  // one row's while it is unpacked, zero-padded
 
-  RowBuffer(int64_t k, const QuantWeight& w)
-      : k_step(k),
-        codes(new int8_t[kSpan * k]),
-        lane_s(new float[kSpan * k / 4]),
-        init(new int32_t[kSpan * k / 4]),
-        row_scales(new float[w.row_groups]) {}
+  RowBuffer(const QuantActs& a, const QuantWeight& w)
+      : k_cols(a.k_cols),
+        lanes(a.lanes),
+        codes(new int8_t[kSpan * a.k_cols]),
+        lane_s(new float[kSpan * a.lanes]),
+        init(new int32_t[kSpan * a.lanes]),
+        row_scales(new float[a.k_cols / w.group + 4]()) {}
 
   template <int Bits>
   void fill(const QuantWeight& w, int64_t row, int64_t n) {
     w.scales.decode(n, row_scales.get());
-    for (int64_t c = 0; c < w.k_pad; c += kStep) {
+    for (int64_t c = 0, lane = 0; c < w.k_pad; c += step_cols<Bits>(), lane += kLanes32) {
       const Step s = unpack_step<Bits>(w, n, c, row_scales.get());
-      store_i(codes.get() + row * k_step + c, s.q);
-      store_f(lane_s.get() + (row * k_step + c) / 4, s.ws);
-      store_i(init.get() + (row * k_step + c) / 4, s.init);
+      int8_t* dst = codes.get() + row * k_cols + c;
+      store_i(dst, s.q);
+      if (Bits == 4) store_i(dst + kStep, s.hi);
+      store_f(lane_s.get() + row * lanes + lane, s.ws);
+      if (Bits == 8) store_i(init.get() + row * lanes + lane, s.init);
     }
   }
 
   template <int Bits>
   Step get(int64_t row, int64_t c) const {
-    const int64_t at = row * k_step + c;
-    return Step{load_i(codes.get() + at), load_f(lane_s.get() + at / 4),
-                load_i(init.get() + at / 4)};
+    const int8_t* q = codes.get() + row * k_cols + c;
+    const int64_t at = row * lanes + c / step_cols<Bits>() * kLanes32;
+    return Step{load_i(q), Bits == 4 ? load_i(q + kStep) : zero_i(),
+                Bits == 8 ? load_i(init.get() + at) : zero_i(), load_f(lane_s.get() + at)};
   }
 };
 
 // Steps unpacked straight from the weights of kRowBlock output rows from n0, for
-// few activation rows; their scales decoded into a per-thread buffer.
+// few activation rows; their scales decoded into a zero-padded per-thread buffer.
 struct Direct {
   const QuantWeight& w;
   int64_t n0;
-  float* row_scales;  // [kRowBlock, groups]
-
-  void decode(int64_t count) const {
-    for (int64_t j = 0; j < count; ++j) w.scales.decode(n0 + j, row_scales + j * w.row_groups);
-  }
+  const float* row_scales;  // [kRowBlock, stride]
+  int64_t stride;
 
   template <int Bits>
   Step get(int64_t row, int64_t c) const {
-    return unpack_step<Bits>(w, n0 + row, c, row_scales + row * w.row_groups);
+    const uint8_t* ahead = w.q + (n0 + row + kPrefetchRows) * w.row_bytes + c * Bits / 8;
+    _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+    return unpack_step<Bits>(w, n0 + row, c, row_scales + row * stride);
   }
 };
 
 // out[m, n0 + j] for j < count and activation rows [m0, m0 + Rows); `src` gives
-// the steps of its row `r0 + j` (rows past `count` repeat the last one).
+// the steps of its row `r0 + j` (rows past `count` repeat the last one). With
+// `mins` (the tile's decoded mins, [kRowBlock, a.sum_stride], zero-padded) the
+// min term joins the accumulators before their sum.
 template <int Bits, int Rows, typename Source>
 void dot_tile(const Source& src, int64_t r0, const QuantActs& a, int64_t m0, int64_t n0,
-              int64_t count, int64_t n_out, const QuantWeight& w, float* out) {
+              int64_t count, int64_t n_out, const QuantWeight& w, const float* mins,
+              float* out) {
   fvec_t acc[kRowBlock][Rows];
   for (auto& row : acc)
     for (auto& v : row) v = zero_f();
-  const int64_t per_row = a.k_step / kActGroup;
-  for (int64_t c = 0; c < w.k_pad; c += kStep) {
+  for (int64_t c = 0, lane = 0; c < w.k_pad; c += step_cols<Bits>(), lane += kLanes32) {
     Step s[kRowBlock];
     for (int64_t j = 0; j < kRowBlock; ++j) {
       s[j] = src.template get<Bits>(r0 + std::min(j, count - 1), c);
     }
     for (int r = 0; r < Rows; ++r) {
-      const ivec_t x = load_i(a.q.get() + (m0 + r) * a.k_step + c);
-      const fvec_t xs = act_scales(a.scales.get() + (m0 + r) * per_row + c / kActGroup);
+      const int8_t* x = a.q.get() + (m0 + r) * a.k_cols + c;
+      const fvec_t xs = load_f(a.scales.get() + (m0 + r) * a.lanes + lane);
       for (int64_t j = 0; j < kRowBlock; ++j) {
         acc[j][r] = fma(to_float(dot<Bits>(s[j], x)), mul(s[j].ws, xs), acc[j][r]);
       }
     }
   }
   for (int r = 0; r < Rows; ++r) {
-    for (int64_t j = 0; j < count; ++j) out[(m0 + r) * n_out + n0 + j] = hsum(acc[j][r]);
+    for (int64_t j = 0; j < count; ++j) {
+      if (mins) {
+        const float* m = mins + j * a.sum_stride;
+        const float* s = a.x_sums.get() + (m0 + r) * a.sum_stride;
+        for (int64_t g = 0; g < a.sum_stride; g += kLanes32) {
+          acc[j][r] = fma(load_f(m + g), load_f(s + g), acc[j][r]);
+        }
+      }
+      out[(m0 + r) * n_out + n0 + j] = hsum(acc[j][r]);
+    }
   }
 }
 
 // Activation rows [m0, m1) against output rows [n0, n0 + count) (count <= 4).
 template <int Bits, typename Source>
 void dot_rows(const Source& src, int64_t r0, const QuantActs& a, int64_t m0, int64_t m1,
-              int64_t n0, int64_t count, int64_t n_out, const QuantWeight& w, float* out) {
+              int64_t n0, int64_t count, int64_t n_out, const QuantWeight& w, const float* mins,
+              float* out) {
   int64_t m = m0;
   for (; m + kActBlock <= m1; m += kActBlock) {
-    dot_tile<Bits, kActBlock>(src, r0, a, m, n0, count, n_out, w, out);
+    dot_tile<Bits, kActBlock>(src, r0, a, m, n0, count, n_out, w, mins, out);
   }
   switch (m1 - m) {
-    case 3: dot_tile<Bits, 3>(src, r0, a, m, n0, count, n_out, w, out); break;
-    case 2: dot_tile<Bits, 2>(src, r0, a, m, n0, count, n_out, w, out); break;
-    case 1: dot_tile<Bits, 1>(src, r0, a, m, n0, count, n_out, w, out); break;
+    case 3: dot_tile<Bits, 3>(src, r0, a, m, n0, count, n_out, w, mins, out); break;
+    case 2: dot_tile<Bits, 2>(src, r0, a, m, n0, count, n_out, w, mins, out); break;
+    case 1: dot_tile<Bits, 1>(src, r0, a, m, n0, count, n_out, w, mins, out); break;
     default: break;
   }
 }
 
+// Up to kActBlock activation rows: four output rows at a time, unpacked in
+// registers, the min term per output. More: kSpan rows unpacked into a buffer and
+// run against chunks of activation rows; the min term is left to the caller.
 template <int Bits>
 void run(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t n_out, float* out) {
-  const int64_t spans = (n_out + kSpan - 1) / kSpan;
-  const int64_t chunk = std::max(kActBlock, kChunkBytes / a.k_step / kActBlock * kActBlock);
-  at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
-    if (rows <= kActBlock) {
-      std::unique_ptr<float[]> scales(new float[kRowBlock * w.row_groups]);
-      for (int64_t n0 = begin * kSpan; n0 < std::min(n_out, end * kSpan); n0 += kRowBlock) {
+  if (rows <= kActBlock) {
+    const int64_t blocks = (n_out + kRowBlock - 1) / kRowBlock;
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      const int64_t stride = a.k_cols / w.group + 4;
+      std::unique_ptr<float[]> scales(new float[kRowBlock * stride]());
+      std::unique_ptr<float[]> mins(w.mins ? new float[kRowBlock * a.sum_stride]() : nullptr);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n0 = b * kRowBlock;
         const int64_t count = std::min(kRowBlock, n_out - n0);
-        const Direct direct{w, n0, scales.get()};
-        direct.decode(count);
-        dot_rows<Bits>(direct, 0, a, 0, rows, n0, count, n_out, w, out);
+        for (int64_t j = 0; j < count; ++j) {
+          w.scales.decode(n0 + j, scales.get() + j * stride);
+          if (mins) w.mins.decode(n0 + j, mins.get() + j * a.sum_stride);
+        }
+        const Direct direct{w, n0, scales.get(), stride};
+        dot_rows<Bits>(direct, 0, a, 0, rows, n0, count, n_out, w, mins.get(), out);
       }
-      return;
-    }
-    RowBuffer buffer(a.k_step, w);
+    });
+    return;
+  }
+  const int64_t spans = (n_out + kSpan - 1) / kSpan;
+  const int64_t chunk = std::max(kActBlock, kChunkBytes / a.k_cols / kActBlock * kActBlock);
+  at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
+    RowBuffer buffer(a, w);
     for (int64_t span = begin; span < end; ++span) {
       const int64_t first = span * kSpan;
       const int64_t last = std::min(n_out, first + kSpan);
@@ -417,18 +488,14 @@ void run(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t n_out, 
         for (int64_t n0 = first; n0 < last; n0 += kRowBlock) {
           const int64_t count = std::min(kRowBlock, last - n0);
           dot_rows<Bits>(buffer, n0 - first, a, m0, std::min(rows, m0 + chunk), n0, count, n_out,
-                         w, out);
+                         w, nullptr, out);
         }
       }
     }
   });
 }
 
-// One activation row (decode) measured faster without int8 activations: each
-// thread dequantizes four output rows at a time into an L1 buffer and runs a
-// float dot product on them (the weights' memory traffic is the same; this
-// does less arithmetic per weight than unpacking for vpdpbusd and needs no
-// activation pass or min matmul). Results are the dequantized weights' exactly.
+// Tiles of dequantized rows (tiled_gemm) use the helpers below.
 typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
 
 // Byte lanes to floats through 32-bit integers: a direct conversion compiles
@@ -520,27 +587,6 @@ struct RowFactors {
   }
 };
 
-void float_row(const QuantWeight& w, const float* x, int64_t n_out, float* out) {
-  const int64_t k_pad = w.k_pad;
-  at::parallel_for(0, (n_out + kRowBlock - 1) / kRowBlock, 1, [&](int64_t begin, int64_t end) {
-    std::unique_ptr<float[]> buf(new float[kRowBlock * k_pad]);
-    RowFactors factors(w);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kRowBlock;
-      const int64_t count = std::min(kRowBlock, n_out - n0);
-      for (int64_t j = 0; j < kRowBlock; ++j) {
-        factors.dequant(w, n0 + std::min(j, count - 1), buf.get() + j * k_pad);
-      }
-      vec acc[kRowBlock] = {};
-      for (int64_t k = 0; k < k_pad; k += kLanes) {
-        const vec xv = load(x + k);
-        for (int64_t j = 0; j < kRowBlock; ++j) acc[j] += xv * load(buf.get() + j * k_pad + k);
-      }
-      for (int64_t j = 0; j < count; ++j) out[n0 + j] = lane_sum(acc[j]);
-    }
-  });
-}
-
 // From kGemmRows activation rows up (prefill, large decode batches), dequantizing
 // tiles of output rows into float32 and handing each to at::mm beats the integer
 // kernel: a tile's dequantization is spread over many rows and MKL's sgemm runs at
@@ -602,22 +648,24 @@ Factors factors(const std::optional<at::Tensor>& base, const std::optional<at::T
   return f;
 }
 
-void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight,
-                  const at::Tensor& scale_base, const std::optional<at::Tensor>& scale_codes,
-                  const std::optional<at::Tensor>& min_base,
-                  const std::optional<at::Tensor>& min_codes, int64_t bits, int64_t group) {
+// The output is allocated here: an `out` argument made each batch-1 call
+// (about 120 a step) a microsecond slower, with the Python that makes it.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight,
+                        const at::Tensor& scale_base, const std::optional<at::Tensor>& scale_codes,
+                        const std::optional<at::Tensor>& min_base,
+                        const std::optional<at::Tensor>& min_codes, int64_t bits, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat, "out must be float32");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(group == 16 || group == 32, "group must be 16 or 32");
+  TORCH_CHECK(group == 32 || (bits == 8 && group == 16),
+              "group must be 32, or 16 for 8-bit codes");
   TORCH_CHECK(qweight.is_contiguous(), "weights must be contiguous");
   const int64_t rows = x.size(0);
   const int64_t n_out = qweight.size(0);
   const int64_t k_pad = bits == 4 ? qweight.size(1) * 2 : qweight.size(1);
   TORCH_CHECK(k_pad % 32 == 0 && x.size(1) <= k_pad, "x has more columns than the weight");
-  TORCH_CHECK(out.size(0) == rows && out.size(1) == n_out, "out must be [M, N]");
   const int64_t groups = k_pad / group;
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  at::Tensor out = at::empty({rows, n_out}, x.options());
   const QuantWeight w{bits,
                       group,
                       k_pad,
@@ -626,19 +674,14 @@ void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight
                       reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
                       factors(scale_base, scale_codes, n_out, groups, "scale"),
                       factors(min_base, min_codes, n_out, groups, "min")};
-  if (rows == 1 || rows >= kGemmRows) {
+  if (rows >= kGemmRows) {
     at::Tensor xp = xc;
     if (x.size(1) != k_pad) {
       xp = at::zeros({rows, k_pad}, x.options());
       xp.narrow(1, 0, x.size(1)).copy_(x);
     }
-    xp = xp.contiguous();
-    if (rows == 1) {
-      float_row(w, xp.data_ptr<float>(), n_out, out.data_ptr<float>());
-    } else {
-      tiled_gemm(w, xp, n_out, out.data_ptr<float>());
-    }
-    return;
+    tiled_gemm(w, xp.contiguous(), n_out, out.data_ptr<float>());
+    return out;
   }
   const QuantActs acts = quantize_acts(xc.data_ptr<float>(), rows, x.size(1), xc.stride(0), w);
   if (bits == 4) {
@@ -646,25 +689,27 @@ void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qweight
   } else {
     run<8>(w, acts, rows, n_out, out.data_ptr<float>());
   }
-  // The min term is a small float matmul, [M, groups] @ [groups, N], on the
-  // decoded mins (per output in the tiles it cost more than the dot products
-  // at the default model's K = 576).
-  if (w.mins) {
+  // From kActBlock + 1 rows the min term is a small float matmul, [M, groups] @
+  // [groups, N], on the decoded mins (per output it cost more than the dot
+  // products at the default model's K = 576 and 8 rows).
+  if (w.mins && rows > kActBlock) {
     at::Tensor mins = at::empty({n_out, groups}, x.options());
     float* mins_ptr = mins.data_ptr<float>();
     at::parallel_for(0, n_out, 256, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) w.mins.decode(n, mins_ptr + n * groups);
     });
-    out.addmm_(at::from_blob(acts.x_sums.get(), {rows, groups}, x.options()), mins.t());
+    out.addmm_(at::from_blob(acts.x_sums.get(), {rows, groups}, {acts.sum_stride, 1}, x.options()),
+               mins.t());
   }
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(tokenloom_quant, m) {
   m.def(
-      "quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scale_base, "
-      "Tensor? scale_codes, Tensor? min_base, Tensor? min_codes, int bits, int group) -> ()");
+      "quant_linear(Tensor x, Tensor qweight, Tensor scale_base, Tensor? scale_codes, "
+      "Tensor? min_base, Tensor? min_codes, int bits, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_quant, CPU, m) { m.impl("quant_linear", &quant_linear); }
