@@ -36,10 +36,10 @@
 // accumulator starts at -128 * sum(q), computed with one more `vpdpbusd` per
 // weight block; without VNNI, 8-bit codes use |q| and sign(xq, q) instead.
 //
-// With up to four activation rows (decode) each thread takes four output rows at
+// With up to eight activation rows (decode) each thread takes four output rows at
 // a time, unpacks each weight step into registers and uses it at once, adding
-// the min term per output; this streams the weights at memory speed, where
-// dequantizing them to float for one row was compute-bound. With more rows it
+// the min term per output; at one row this streams weights from DRAM at 11-20
+// GB/s on two threads, where dequantizing them to float managed 7-10. With more rows it
 // first unpacks 32 output rows' codes and per-lane scales into a buffer that
 // stays in L1/L2 and runs chunks of activation rows against them, the min term
 // one addmm for the call. Tiles of four output by up to four activation rows
@@ -66,12 +66,17 @@ constexpr int64_t kBlock = 32;             // weight columns per 4-bit block and
 constexpr int64_t kActGroup = 8;           // activation columns per scale
 constexpr int64_t kRowBlock = 4;           // output rows per register tile
 constexpr int64_t kActBlock = 4;           // activation rows per register tile
+// Up to this many activation rows the weights are unpacked in registers for each
+// tile of four; from 9 rows unpacking 32 rows once into a buffer won (16 rows,
+// 8-bit codes: 1.2-1.3x), below it lost (5-8 rows: up to 2x).
+constexpr int64_t kDirectRows = 8;
 constexpr int64_t kSpan = 32;              // output rows a thread takes at once
 constexpr int64_t kChunkBytes = 16 << 10;  // activation bytes run against a span at once
-#ifndef TL_PREFETCH_ROWS
-#define TL_PREFETCH_ROWS 16
-#endif
-constexpr int64_t kPrefetchRows = TL_PREFETCH_ROWS;
+// Rows ahead whose codes the one-to-four-row path prefetches into L1. Weights
+// read from DRAM (the 1B shape's, each matrix once a step, per-matrix rates
+// with two threads): none 7-15 GB/s, 8 rows 9-17, 16 rows 11-20 (32 rows, or
+// 16-64 KB ahead whatever the row size, no better; T1 hints worse).
+constexpr int64_t kPrefetchRows = 16;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TL_VNNI 1
@@ -452,12 +457,12 @@ void dot_rows(const Source& src, int64_t r0, const QuantActs& a, int64_t m0, int
   }
 }
 
-// Up to kActBlock activation rows: four output rows at a time, unpacked in
+// Up to kDirectRows activation rows: four output rows at a time, unpacked in
 // registers, the min term per output. More: kSpan rows unpacked into a buffer and
 // run against chunks of activation rows; the min term is left to the caller.
 template <int Bits>
 void run(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t n_out, float* out) {
-  if (rows <= kActBlock) {
+  if (rows <= kDirectRows) {
     const int64_t blocks = (n_out + kRowBlock - 1) / kRowBlock;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       const int64_t stride = a.k_cols / w.group + 4;
@@ -689,10 +694,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight,
   } else {
     run<8>(w, acts, rows, n_out, out.data_ptr<float>());
   }
-  // From kActBlock + 1 rows the min term is a small float matmul, [M, groups] @
+  // From kDirectRows + 1 rows the min term is a small float matmul, [M, groups] @
   // [groups, N], on the decoded mins (per output it cost more than the dot
   // products at the default model's K = 576 and 8 rows).
-  if (w.mins && rows > kActBlock) {
+  if (w.mins && rows > kDirectRows) {
     at::Tensor mins = at::empty({n_out, groups}, x.options());
     float* mins_ptr = mins.data_ptr<float>();
     at::parallel_for(0, n_out, 256, [&](int64_t begin, int64_t end) {
