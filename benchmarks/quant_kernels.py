@@ -9,7 +9,7 @@ the median time of:
 - ``fp32-mkl-packed``: the MKL-prepacked sgemm tokenloom uses for float32;
 - ``bf16``: ``F.linear`` with bfloat16 weights and activations;
 - ``ours-q4``: ``tokenloom_quant.quant_linear`` on the 4-bit layout with mins
-  (Q4_0/Q4_1/Q4_K): int8 activations per 32 columns, VNNI integer dot products;
+  (Q4_0/Q4_1/Q4_K): int8 activations per 8 columns, VNNI integer dot products;
 - ``ours-q8``: the same on the 8-bit layout without mins (Q8_0);
 - ``ours-q6k``: the 8-bit layout with scales per 16 columns (Q6_K);
 - ``int4pack-bf16``: ``aten._weight_int4pack_mm_for_cpu``, bf16 activations, group 32;

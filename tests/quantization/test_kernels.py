@@ -162,6 +162,19 @@ def test_float_quantization_odd_shapes(method: str, n: int, k: int, rows: int) -
     assert_close_fp32(quant_matmul(x, weight, native=False), F.linear(x.double(), deq.double()))
 
 
+def test_q4_0_min_is_a_constant_code_on_the_shared_scale() -> None:
+    """Q4_0's min (-8 d) costs no memory of its own, fused or not."""
+    parts = [from_gguf(random_gguf(T.Q4_0, n, 64, seed=n), T.Q4_0, (n, 64)) for n in (3, 5)]
+    for weight in [*parts, concat_rows(parts)]:
+        assert weight.mins is not None
+        assert weight.mins.codes is None and weight.mins.multiplier == -8.0
+        assert weight.mins.base is weight.scales.base
+        assert weight.nbytes == weight.qweight.numel() + weight.scales.base.numel() * 2
+    torch.testing.assert_close(
+        concat_rows(parts).dequantize(), torch.cat([p.dequantize() for p in parts])
+    )
+
+
 def test_mixed_layouts_concatenate_exactly() -> None:
     """Q4_K_M files mix types inside a fused projection (q/k in Q4_K, v in Q6_K)."""
     parts = [

@@ -42,11 +42,13 @@ _FP16_MAX = 65504.0
 @dataclass
 class GroupFactors:
     """Per-group scales (or mins) of an [N, K_pad] matrix with G groups per row:
-    ``value[n, g] = base[n, g // per] * codes[n, g]``, or ``base[n, g]`` without
-    codes (then ``per`` is 1)."""
+    ``value[n, g] = multiplier * base[n, g // per] * codes[n, g]``, or
+    ``multiplier * base[n, g]`` without codes (then ``per`` is 1). The multiplier
+    is a constant code: Q4_0's min is -8 times its scale, sharing its base."""
 
     base: torch.Tensor  # float16 (or float32, where fp16 would round) [N, G / per]
     codes: torch.Tensor | None = None  # int8 [N, G]
+    multiplier: float = 1.0
 
     @property
     def groups(self) -> int:
@@ -63,7 +65,7 @@ class GroupFactors:
 
     def values(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [N (or len(rows)), G]."""
-        base = (self.base if rows is None else self.base[rows]).float()
+        base = (self.base if rows is None else self.base[rows]).float() * self.multiplier
         if self.codes is None:
             return base
         codes = self.codes if rows is None else self.codes[rows]
@@ -74,15 +76,15 @@ class GroupFactors:
         if repeat == 1:
             return self
         if self.codes is None:
-            return GroupFactors(self.base.repeat_interleave(repeat, dim=1))
-        return GroupFactors(self.base, self.codes.repeat_interleave(repeat, dim=1))
+            return GroupFactors(self.base.repeat_interleave(repeat, dim=1), None, self.multiplier)
+        return GroupFactors(self.base, self.codes.repeat_interleave(repeat, dim=1), self.multiplier)
 
-    def form(self) -> tuple[torch.dtype, int, bool]:
-        return self.base.dtype, self.per, self.codes is not None
+    def form(self) -> tuple[torch.dtype, int, bool, float]:
+        return self.base.dtype, self.per, self.codes is not None, self.multiplier
 
     def zeros_like(self) -> GroupFactors:
         codes = None if self.codes is None else torch.zeros_like(self.codes)
-        return GroupFactors(torch.zeros_like(self.base), codes)
+        return GroupFactors(torch.zeros_like(self.base), codes, self.multiplier)
 
 
 def _factors(values: np.ndarray | torch.Tensor) -> GroupFactors:
@@ -136,7 +138,7 @@ class QuantizedWeight:
         def factors(f: GroupFactors) -> GroupFactors:
             base = apply(f.base)
             assert base is not None
-            return GroupFactors(base, apply(f.codes))
+            return GroupFactors(base, apply(f.codes), f.multiplier)
 
         qweight = apply(self.qweight)
         assert qweight is not None
@@ -154,6 +156,7 @@ class QuantizedWeight:
             self.scales.codes,
             None if mins is None else mins.base,
             None if mins is None else mins.codes,
+            1.0 if mins is None else mins.multiplier,
             self.bits,
             self.group,
         )
@@ -223,7 +226,7 @@ def from_gguf(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...]) -> Quantize
         if ggml_type == T.Q4_1:
             mins = GroupFactors(_f16(blocks, 2))
         else:  # -8 d, exactly, sharing d
-            mins = GroupFactors(d.base, torch.full((n, k // 32), -8, dtype=torch.int8))
+            mins = GroupFactors(d.base, multiplier=-8.0)
         return _pack(nibbles.reshape(n, k), d, mins, 32, 4, k)
     blocks = raw.reshape(n, k // SUPER_BLOCK, -1)
     if ggml_type in (T.Q4_K, T.Q5_K):
@@ -279,7 +282,7 @@ def _join(factors: list[GroupFactors]) -> GroupFactors:
     if len({f.form() for f in factors}) == 1:
         codes = [f.codes for f in factors]
         joined = None if codes[0] is None else torch.cat([c for c in codes if c is not None])
-        return GroupFactors(torch.cat([f.base for f in factors]), joined)
+        return GroupFactors(torch.cat([f.base for f in factors]), joined, factors[0].multiplier)
     return GroupFactors(torch.cat([f.values() for f in factors]))
 
 

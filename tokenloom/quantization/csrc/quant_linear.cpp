@@ -97,19 +97,21 @@ typedef __m256 fvec_t;
 #endif
 
 // Per-group scales or mins (formats.py's GroupFactors): value(n, g) =
-// base(n, g / per) * codes(n, g), or base(n, g) without codes.
+// multiplier * base(n, g / per) * codes(n, g), or multiplier * base(n, g)
+// without codes.
 struct Factors {
   const void* base = nullptr;  // float16 or float32 [N, groups / per]; nullptr: none
   bool half = false;
   const int8_t* codes = nullptr;  // [N, groups], or nullptr
   int64_t groups = 0;
   int64_t per = 1;
+  float multiplier = 1.0f;
 
   explicit operator bool() const { return base != nullptr; }
 
   float base_at(int64_t i) const {
-    return half ? _cvtsh_ss(static_cast<const uint16_t*>(base)[i])
-                : static_cast<const float*>(base)[i];
+    return multiplier * (half ? _cvtsh_ss(static_cast<const uint16_t*>(base)[i])
+                              : static_cast<const float*>(base)[i]);
   }
 
   // Row n's `groups` values into dst (defined below, after load_i8).
@@ -547,13 +549,15 @@ void Factors::decode(int64_t n, float* dst) const {
     for (; g < groups; ++g) dst[g] = base_at(n * bases + g / per) * static_cast<float>(c[g]);
   } else if (half) {
     const uint16_t* h = static_cast<const uint16_t*>(base) + n * groups;
+    const __m256 m = _mm256_set1_ps(multiplier);
     for (; g + 8 <= groups; g += 8) {
       const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + g));
-      _mm256_storeu_ps(dst + g, _mm256_cvtph_ps(bits));
+      _mm256_storeu_ps(dst + g, _mm256_mul_ps(_mm256_cvtph_ps(bits), m));
     }
-    for (; g < groups; ++g) dst[g] = _cvtsh_ss(h[g]);
+    for (; g < groups; ++g) dst[g] = base_at(n * groups + g);
   } else {
-    std::memcpy(dst, static_cast<const float*>(base) + n * groups, groups * sizeof(float));
+    const float* f = static_cast<const float*>(base) + n * groups;
+    for (; g < groups; ++g) dst[g] = multiplier * f[g];
   }
 }
 
@@ -627,8 +631,9 @@ void tiled_gemm(const QuantWeight& w, const at::Tensor& xp, int64_t n_out, float
 
 // Factors from their tensors (see formats.py's GroupFactors).
 Factors factors(const std::optional<at::Tensor>& base, const std::optional<at::Tensor>& codes,
-                int64_t rows, int64_t groups, const char* name) {
+                int64_t rows, int64_t groups, const char* name, double multiplier = 1.0) {
   Factors f;
+  f.multiplier = static_cast<float>(multiplier);
   if (!base.has_value()) {
     TORCH_CHECK(!codes.has_value(), name, " codes without a base");
     return f;
@@ -658,7 +663,8 @@ Factors factors(const std::optional<at::Tensor>& base, const std::optional<at::T
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight,
                         const at::Tensor& scale_base, const std::optional<at::Tensor>& scale_codes,
                         const std::optional<at::Tensor>& min_base,
-                        const std::optional<at::Tensor>& min_codes, int64_t bits, int64_t group) {
+                        const std::optional<at::Tensor>& min_codes, double min_multiplier,
+                        int64_t bits, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(group == 32 || (bits == 8 && group == 16),
@@ -678,7 +684,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight,
                       groups,
                       reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
                       factors(scale_base, scale_codes, n_out, groups, "scale"),
-                      factors(min_base, min_codes, n_out, groups, "min")};
+                      factors(min_base, min_codes, n_out, groups, "min", min_multiplier)};
   if (rows >= kGemmRows) {
     at::Tensor xp = xc;
     if (x.size(1) != k_pad) {
@@ -714,7 +720,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight,
 TORCH_LIBRARY(tokenloom_quant, m) {
   m.def(
       "quant_linear(Tensor x, Tensor qweight, Tensor scale_base, Tensor? scale_codes, "
-      "Tensor? min_base, Tensor? min_codes, int bits, int group) -> Tensor");
+      "Tensor? min_base, Tensor? min_codes, float min_multiplier, int bits, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_quant, CPU, m) { m.impl("quant_linear", &quant_linear); }
