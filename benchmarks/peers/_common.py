@@ -10,9 +10,11 @@ It writes JSON: {"engine", "config", "load_s", "runs": {workload: [run...]},
 request], "cached_tokens", "own_cpu_s", "other_cpu_s", "busy_wait_s"}.
 
 Single stream (``--single PROMPT:OUT``): one request at a time, greedy. Each
-repeat times the same prompt with 1 output token (the prefill: prompt tok/s)
-and with OUT tokens; decode ms/token = (t_OUT - t_1) / (OUT - 1), the same
-arithmetic for every engine, and the same from the engine's own CPU time. ``rss_mb`` is the resident memory of the
+repeat times a prompt with 1 output token (the prefill: prompt tok/s) and
+another of the same length with OUT tokens; decode ms/token = (t_OUT - t_1) /
+(OUT - 1), the same arithmetic for every engine. Every request's prompt differs
+from the first token on, so no prefix cache serves any of it (with one prompt
+for both, a cache made every repeat after the first a cached prefill), and the same from the engine's own CPU time. ``rss_mb`` is the resident memory of the
 worker's process tree (the engine's processes included) after the runs.
 """
 
@@ -179,9 +181,10 @@ def tree_rss_mb() -> float:
     return total / 1e6
 
 
-def single_prompt(prompt_len: int) -> list[int]:
-    """The single-stream prompt: fixed token ids, the same for every engine."""
-    return [100 + (37 * i) % 20000 for i in range(prompt_len)]
+def single_prompt(prompt_len: int, variant: int) -> list[int]:
+    """Single-stream prompt number ``variant``: fixed token ids, the same for every
+    engine; two variants differ at every position, the first included."""
+    return [100 + (37 * i + 101 * variant) % 20000 for i in range(prompt_len)]
 
 
 def run_single(
@@ -189,18 +192,17 @@ def run_single(
 ) -> list[dict[str, Any]]:
     """Batch-1 prefill and decode timings (see the module docstring)."""
     prompt_len, out_len = (int(x) for x in args.single.split(":"))
-    prompt = single_prompt(prompt_len)
-    generate_one(prompt[:32], 4)  # warm-up at this batch size
+    generate_one(single_prompt(32, 0), 4)  # warm-up at this batch size
     runs = []
     for rep in range(args.repeats):
         waited = wait_for_idle(args.idle_wait)
         with CpuMonitor() as mon:
             with CpuMonitor() as first:
                 t0 = time.perf_counter()
-                assert generate_one(prompt, 1) == 1
+                assert generate_one(single_prompt(prompt_len, 2 * rep + 1), 1) == 1
                 t1 = time.perf_counter()
             with CpuMonitor() as whole:
-                produced = generate_one(prompt, out_len)
+                produced = generate_one(single_prompt(prompt_len, 2 * rep + 2), out_len)
                 t2 = time.perf_counter()
         if produced != out_len:
             raise RuntimeError(f"{engine} produced {produced} tokens, asked for {out_len}")
