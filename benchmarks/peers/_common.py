@@ -12,10 +12,11 @@ request], "cached_tokens", "own_cpu_s", "other_cpu_s", "busy_wait_s"}.
 Single stream (``--single PROMPT:OUT``): one request at a time, greedy. Each
 repeat times a prompt with 1 output token (the prefill: prompt tok/s) and
 another of the same length with OUT tokens; decode ms/token = (t_OUT - t_1) /
-(OUT - 1), the same arithmetic for every engine. Every request's prompt differs
-from the first token on, so no prefix cache serves any of it (with one prompt
-for both, a cache made every repeat after the first a cached prefill), and the same from the engine's own CPU time. ``rss_mb`` is the resident memory of the
-worker's process tree (the engine's processes included) after the runs.
+(OUT - 1), the same arithmetic for every engine, and the same from the engine's
+own CPU time. Every request's prompt differs from the first token on, so no
+prefix cache serves any of it (with one prompt for both, a cache made every
+repeat after the first a cached prefill). ``rss_mb`` is the resident memory of
+the worker's process tree (the engine's processes included) after the runs.
 """
 
 from __future__ import annotations

@@ -19,8 +19,7 @@ against the file's 4.5; Q6_K, widened to int8: 8.6 against 6.6).
 
 ``quantize_float`` makes the same layouts from float weights (``int4``:
 asymmetric 4-bit per 32 columns; ``int8``: symmetric 8-bit per 32 columns) for
-Hugging Face checkpoints. Columns are padded with zeros to
-a multiple of 32.
+Hugging Face checkpoints. Columns are padded with zeros to a multiple of 32.
 """
 
 from __future__ import annotations
@@ -57,11 +56,6 @@ class GroupFactors:
     @property
     def per(self) -> int:
         return self.groups // int(self.base.shape[1])
-
-    @property
-    def nbytes(self) -> int:
-        tensors = (self.base, self.codes)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def values(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [N (or len(rows)), G]."""
@@ -148,7 +142,7 @@ class QuantizedWeight:
         )
 
     def kernel_args(self) -> tuple[object, ...]:
-        """The native kernel's arguments after ``out`` and ``x``."""
+        """The native kernel's arguments after ``x``."""
         mins = self.mins
         return (
             self.qweight,

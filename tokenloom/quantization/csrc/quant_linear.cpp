@@ -72,7 +72,8 @@ constexpr int64_t kActBlock = 4;           // activation rows per register tile
 constexpr int64_t kDirectRows = 8;
 constexpr int64_t kSpan = 32;              // output rows a thread takes at once
 constexpr int64_t kChunkBytes = 16 << 10;  // activation bytes run against a span at once
-// Rows ahead whose codes the one-to-four-row path prefetches into L1. Weights
+// Rows ahead whose codes the register path (up to kDirectRows rows) prefetches
+// into L1. Weights
 // read from DRAM (the 1B shape's, each matrix once a step, per-matrix rates
 // with two threads): none 7-15 GB/s, 8 rows 9-17, 16 rows 11-20 (32 rows, or
 // 16-64 KB ahead whatever the row size, no better; T1 hints worse).
@@ -145,10 +146,7 @@ struct QuantWeight {
 constexpr int64_t kLanes32 = kStep / 4;  // int32 lanes per vector
 
 // Columns one vector step of codes covers: 4-bit codes are two to a byte.
-template <int Bits>
-constexpr int64_t step_cols() {
-  return Bits == 4 ? 2 * kStep : kStep;
-}
+constexpr int64_t step_cols(int64_t bits) { return bits == 4 ? 2 * kStep : kStep; }
 
 // One step of one output row, ready for the dot products. 4 bits: `q` holds the
 // low nibbles (columns 0-15 of each 32-column block of the step) and `hi` the
@@ -299,18 +297,22 @@ struct QuantActs {
   std::unique_ptr<int8_t[]> q;      // [M, k_cols] xq (or xq ^ 0x80 for 8-bit VNNI)
   std::unique_ptr<float[]> scales;  // [M, lanes] xs of each lane
   int64_t sum_stride;               // x_sums' row length: the groups, zero-padded to vectors
+  // Row length of a buffer of decoded weight scales: the groups of k_cols and
+  // the floats spread() reads past a step's first group, zero-padded.
+  int64_t scale_stride;
   std::unique_ptr<float[]> x_sums;  // [M, sum_stride]: sum(xs * xq) per weight group (mins)
 };
 
 QuantActs quantize_acts(const float* x, int64_t rows, int64_t cols, int64_t x_stride,
                         const QuantWeight& w) {
   QuantActs a;
-  const int64_t step = w.bits == 4 ? 2 * kStep : kStep;
+  const int64_t step = step_cols(w.bits);
   a.k_cols = (w.k_pad + step - 1) / step * step;
   a.lanes = a.k_cols / step * kLanes32;
   a.q.reset(new int8_t[rows * a.k_cols]);
   a.scales.reset(new float[rows * a.lanes]);
   a.sum_stride = (w.row_groups + kLanes32 - 1) / kLanes32 * kLanes32;
+  a.scale_stride = a.k_cols / w.group + 4;
   if (w.mins) a.x_sums.reset(new float[rows * a.sum_stride]());
   const int8_t flip = (w.bits == 8 && kUnsignedX8) ? int8_t(-128) : int8_t(0);
   const vec magic = vec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to nearest even
@@ -331,8 +333,8 @@ QuantActs quantize_acts(const float* x, int64_t rows, int64_t cols, int64_t x_st
       for (int64_t h = 0; h < halves; ++h) {
         for (int64_t l = 0; l < kLanes; ++l) amax[l] = std::max(amax[l], std::fabs(part[h][l]));
       }
-      // 4 bits: one scale per 4 float lanes (of both halves); 8 bits: per 8.
-      const int64_t run = w.bits == 4 ? 4 : 8;
+      // kActGroup columns per scale: 4 float lanes of both halves for 4 bits.
+      const int64_t run = kActGroup / halves;
       vec d{}, divisor{};
       for (int64_t r0 = 0; r0 < kLanes; r0 += run) {
         const float scale = *std::max_element(amax + r0, amax + r0 + run) / 127.0f;
@@ -377,12 +379,12 @@ struct RowBuffer {
         codes(new int8_t[kSpan * a.k_cols]),
         lane_s(new float[kSpan * a.lanes]),
         init(new int32_t[kSpan * a.lanes]),
-        row_scales(new float[a.k_cols / w.group + 4]()) {}
+        row_scales(new float[a.scale_stride]()) {}
 
   template <int Bits>
   void fill(const QuantWeight& w, int64_t row, int64_t n) {
     w.scales.decode(n, row_scales.get());
-    for (int64_t c = 0, lane = 0; c < w.k_pad; c += step_cols<Bits>(), lane += kLanes32) {
+    for (int64_t c = 0, lane = 0; c < w.k_pad; c += step_cols(Bits), lane += kLanes32) {
       const Step s = unpack_step<Bits>(w, n, c, row_scales.get());
       int8_t* dst = codes.get() + row * k_cols + c;
       store_i(dst, s.q);
@@ -395,7 +397,7 @@ struct RowBuffer {
   template <int Bits>
   Step get(int64_t row, int64_t c) const {
     const int8_t* q = codes.get() + row * k_cols + c;
-    const int64_t at = row * lanes + c / step_cols<Bits>() * kLanes32;
+    const int64_t at = row * lanes + c / step_cols(Bits) * kLanes32;
     return Step{load_i(q), Bits == 4 ? load_i(q + kStep) : zero_i(),
                 Bits == 8 ? load_i(init.get() + at) : zero_i(), load_f(lane_s.get() + at)};
   }
@@ -428,7 +430,7 @@ void dot_tile(const Source& src, int64_t r0, const QuantActs& a, int64_t m0, int
   fvec_t acc[kRowBlock][Rows];
   for (auto& row : acc)
     for (auto& v : row) v = zero_f();
-  for (int64_t c = 0, lane = 0; c < w.k_pad; c += step_cols<Bits>(), lane += kLanes32) {
+  for (int64_t c = 0, lane = 0; c < w.k_pad; c += step_cols(Bits), lane += kLanes32) {
     Step s[kRowBlock];
     for (int64_t j = 0; j < kRowBlock; ++j) {
       s[j] = src.template get<Bits>(r0 + std::min(j, count - 1), c);
@@ -481,7 +483,7 @@ void run(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t n_out, 
     const int64_t blocks = (n_out + kRowBlock - 1) / kRowBlock;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       const FlushDenormals flush;
-      const int64_t stride = a.k_cols / w.group + 4;
+      const int64_t stride = a.scale_stride;
       std::unique_ptr<float[]> scales(new float[kRowBlock * stride]());
       std::unique_ptr<float[]> mins(w.mins ? new float[kRowBlock * a.sum_stride]() : nullptr);
       for (int64_t b = begin; b < end; ++b) {
