@@ -13,6 +13,7 @@ from tests.worker.test_sampler import make_metadata, reference_probs
 from tokenloom.spec_decode.target_probs import processed_probs
 from tokenloom.spec_decode.verifier import verify
 from tokenloom.worker.sampler import Sampler
+from tokenloom.worker.sampling_metadata import SamplingMetadata
 
 V = 12
 TRIALS = 12_000
@@ -126,3 +127,39 @@ def test_seeded_groups_are_reproducible() -> None:
         return verify(logits.clone(), md, Sampler(torch.Generator()), [[4, 5]], [q]).token_ids
 
     assert run() == run()
+
+
+def test_seeded_stream_does_not_depend_on_the_drafts() -> None:
+    """A seeded request verifying n-gram drafts (some right, some wrong, 0-3 a step)
+    samples exactly the tokens plain decoding samples with the same seed: its
+    generator advances one draw per kept token, whatever rows were verified."""
+    length = 40
+    logits = torch.randn(length + 4, V, generator=torch.Generator().manual_seed(2)) * 2
+
+    def metadata(rows: int, stream: torch.Generator) -> SamplingMetadata:
+        md = make_metadata(rows, temperature=0.9, top_k=[6] * rows)
+        md.generators = dict.fromkeys(range(rows), stream)
+        return md
+
+    stream = torch.Generator().manual_seed(9)
+    plain = [
+        verify(logits[n : n + 1].clone(), metadata(1, stream), Sampler(), [[]]).token_ids[0][0]
+        for n in range(length)
+    ]
+
+    stream = torch.Generator().manual_seed(9)
+    choose = torch.Generator().manual_seed(4)
+    speculated: list[int] = []
+    while len(speculated) < length:
+        n = len(speculated)
+        k = int(torch.randint(0, 4, (), generator=choose))
+        drafts = [
+            plain[n + i]
+            if float(torch.rand((), generator=choose)) < 0.7
+            else (plain[n + i] + 1) % V
+            for i in range(min(k, length - n - 1))
+        ]
+        rows = len(drafts) + 1
+        out = verify(logits[n : n + rows].clone(), metadata(rows, stream), Sampler(), [drafts])
+        speculated.extend(out.token_ids[0])
+    assert speculated == plain

@@ -19,6 +19,13 @@ row), as the runner lays them out. Two rules, both exact:
 
 Logprobs, when asked for, describe the raw logits at each kept row, as for
 plain decoding.
+
+A seeded request's generator ends the step advanced by one draw per token it
+kept, as in plain decoding (draws for rows past the first mismatch are taken
+back). How many drafts a request gets depends on measured step times
+(``draft_budget``), so without this its random stream, and with exact matching
+its tokens, would change from run to run; with it, a seeded request with
+n-gram drafts samples exactly the tokens it would sample without speculation.
 """
 
 from __future__ import annotations
@@ -31,7 +38,13 @@ import torch
 from tokenloom.outputs import TokenLogprobs
 from tokenloom.spec_decode.rejection_sampler import VerifyInputs, rejection_sample
 from tokenloom.spec_decode.target_probs import shaped_probs
-from tokenloom.worker.sampler import RawLogprobs, Sampler, apply_penalties, draw_uniform
+from tokenloom.worker.sampler import (
+    RawLogprobs,
+    Sampler,
+    apply_penalties,
+    draw_uniform,
+    skip_draws,
+)
 from tokenloom.worker.sampling_metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
@@ -63,6 +76,11 @@ def verify(
     if logits.shape[0] != num_rows:
         raise ValueError(f"{logits.shape[0]} logits rows for {num_rows} verification rows")
     greedy_rows = (metadata.temperature == 0.0).cpu().numpy()
+    saved_streams = {
+        g: (generator, generator.get_state())
+        for g, start in enumerate(group_start.tolist())
+        if num_drafts[g] and (generator := metadata.generators.get(start)) is not None
+    }
     dense = [
         g
         for g in range(len(num_drafts))
@@ -104,6 +122,10 @@ def verify(
             dense, processed, metadata, sampler, draft_token_ids, draft_probs,
             group_start, token_ids, row_tokens,
         )  # fmt: skip
+
+    for g, (generator, state) in saved_streams.items():
+        generator.set_state(state)
+        skip_draws(generator, len(token_ids[g]))
 
     logprobs = None
     if sampled.logprobs is not None:
