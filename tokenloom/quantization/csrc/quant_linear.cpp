@@ -73,10 +73,10 @@ constexpr int64_t kDirectRows = 8;
 constexpr int64_t kSpan = 32;              // output rows a thread takes at once
 constexpr int64_t kChunkBytes = 16 << 10;  // activation bytes run against a span at once
 // Rows ahead whose codes the register path (up to kDirectRows rows) prefetches
-// into L1. Weights
-// read from DRAM (the 1B shape's, each matrix once a step, per-matrix rates
-// with two threads): none 7-15 GB/s, 8 rows 9-17, 16 rows 11-20 (32 rows, or
-// 16-64 KB ahead whatever the row size, no better; T1 hints worse).
+// into L1. Weights read from DRAM (the 1B shape's, each matrix once a step,
+// per-matrix rates with two threads): none 7-15 GB/s, 8 rows 9-17, 16 rows
+// 11-20 (32 rows, or 16-64 KB ahead whatever the row size, no better; T1 hints
+// worse).
 constexpr int64_t kPrefetchRows = 16;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
