@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from tokenloom.model.packed_linear import PackedLinear
 from tokenloom.quantization.formats import QuantizedWeight, quantize_float
 from tokenloom.quantization.kernels import native_available, quant_matmul
+from tokenloom.quantization.panels import PanelWeight
 
 SHAPES = {
     "default": {
@@ -98,10 +99,10 @@ def candidates(
     if "bf16" in columns:
         wb, xb = w.bfloat16(), x.bfloat16()
         out["bf16"] = lambda: F.linear(xb, wb)
-    q6k = q6k_layout(w)
-    out["ours-q4"] = lambda: quant_matmul(x, q4)
-    out["ours-q8"] = lambda: quant_matmul(x, q8)
-    out["ours-q6k"] = lambda: quant_matmul(x, q6k)
+    p4, p8, p6k = (PanelWeight.from_rows(q) for q in (q4, q8, q6k_layout(w)))
+    out["ours-q4"] = lambda: quant_matmul(x, p4)
+    out["ours-q8"] = lambda: quant_matmul(x, p8)
+    out["ours-q6k"] = lambda: quant_matmul(x, p6k)
     if not {"int4pack-bf16", "int8pack", "dyn-int8"} & set(columns):
         return {name: fn for name, fn in out.items() if name in columns}
     try:

@@ -41,7 +41,7 @@ def main() -> None:
         per_pass: dict[tuple, float] = defaultdict(float)
         for name, m in layers:
             w = m.qweight
-            kind = (name.split(".")[-1], w.bits, w.group, tuple(w.qweight.shape))
+            kind = (name.split(".")[-1], w.bits, w.group, (w.out_features, w.in_features))
             t0 = time.perf_counter()
             quant_matmul(inputs[id(m)], w)
             per_pass[kind] += time.perf_counter() - t0
@@ -50,7 +50,7 @@ def main() -> None:
         for kind, s in per_pass.items():
             seconds[kind].append(s)
     print(f"{args.threads} threads, medians of {args.passes} passes")
-    print("| matrix | bits | group | qweight shape | ms per pass | MB | GB/s |")
+    print("| matrix | bits | group | (out, in) | ms per pass | MB | GB/s |")
     print("|---|---:|---:|---|---:|---:|---:|")
     total_s = 0.0
     for kind, runs in seconds.items():

@@ -4,11 +4,12 @@ supported type (random bytes with sane fp16 scales, checked against
 (bits, group, mins) layout with random codes, on odd shapes (K not a multiple
 of 32, N odd) and 1 to 130 rows.
 
-Below 32 rows the native kernel quantizes the activations to int8 per 8
-columns, so it is compared exactly (float64, 1e-4 relative) with a reference that quantizes them
-the same way, and with the dequantized float reference within the error that
-activation rounding can cause (half a step per element); the torch fallback
-matches the dequantized reference to float32 summation order."""
+The native kernel quantizes the activations to int8 per 8 columns at every row
+count, so it is compared exactly (float64, 1e-4 relative) with a reference that
+quantizes them the same way, and with the dequantized float reference within the
+error that activation rounding can cause (half a step per element); the torch
+fallback matches the dequantized reference to float32 summation order. Each
+activation row's result must not depend on the batch it is in, to the bit."""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ from tokenloom.quantization.formats import (
     quantize_float,
 )
 from tokenloom.quantization.kernels import native_available, quant_matmul
+from tokenloom.quantization.panels import PANEL, PanelWeight
 
 ACT_GROUP = 8  # activation columns per int8 scale in the native kernel
-GEMM_ROWS = 32  # from this many rows the kernel runs float32 GEMMs on dequantized tiles
 
 
 def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor, tol: float = 2e-5) -> None:
@@ -67,20 +68,21 @@ def quantized_activations(
 
 
 def check_native(x: torch.Tensor, weight: QuantizedWeight) -> None:
-    """The native kernel against its exact reference and, within the activation
-    rounding's bound, the dequantized float reference. GEMM_ROWS rows or more
-    run in float32 on the dequantized weights; fewer with int8 activations."""
+    """The native kernel on ``weight``'s panel layout against its exact reference,
+    within the activation rounding's bound against the dequantized float
+    reference, and row by row against itself on batches of one."""
     assert native_available()
-    out = quant_matmul(x, weight).double()
+    panels = PanelWeight.from_rows(weight)
+    torch.testing.assert_close(panels.dequantize(), weight.dequantize(), rtol=0, atol=0)
+    out = quant_matmul(x, panels)
     w = weight.dequantize().double()
-    if x.shape[0] >= GEMM_ROWS:
-        assert_close_fp32(out, F.linear(x.double(), w))
-        return
     xq, half_step = quantized_activations(x, weight.scales.groups * weight.group, weight.bits)
     expected = F.linear(xq, w)
-    assert_close_fp32(out, expected, tol=1e-4)
+    assert_close_fp32(out.double(), expected, tol=1e-4)
     bound = F.linear(half_step, w.abs()) + 2e-5 * (float(expected.abs().max()) + 1e-6)
-    assert bool(((out - F.linear(x.double(), w)).abs() <= bound).all())
+    assert bool(((out.double() - F.linear(x.double(), w)).abs() <= bound).all())
+    for row in sorted({0, x.shape[0] // 2, x.shape[0] - 1}):
+        assert torch.equal(quant_matmul(x[row : row + 1], panels)[0], out[row])
 
 
 @pytest.mark.parametrize("ggml_type", GGUF_TYPES, ids=lambda t: t.name)
@@ -99,7 +101,7 @@ def test_native_kernel_matches_reference(ggml_type: T, rows: int) -> None:
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     check_native(x, weight)
     expected = F.linear(x.double(), weight.dequantize().double()).float()
-    assert_close_fp32(quant_matmul(x, weight, native=False), expected)
+    assert_close_fp32(quant_matmul(x, PanelWeight.from_rows(weight), native=False), expected)
 
 
 def random_factors(
@@ -159,7 +161,8 @@ def test_float_quantization_odd_shapes(method: str, n: int, k: int, rows: int) -
     assert bool(((deq - w).abs() <= step / 2 + 1e-6).all())
     x = torch.randn(rows, k, generator=gen)
     check_native(x, weight)
-    assert_close_fp32(quant_matmul(x, weight, native=False), F.linear(x.double(), deq.double()))
+    fallback = quant_matmul(x, PanelWeight.from_rows(weight), native=False)
+    assert_close_fp32(fallback, F.linear(x.double(), deq.double()))
 
 
 def test_q4_0_min_is_a_constant_code_on_the_shared_scale() -> None:
@@ -188,6 +191,37 @@ def test_mixed_layouts_concatenate_exactly() -> None:
 
 
 def test_embedding_gather_dequantizes_only_requested_rows() -> None:
-    weight: QuantizedWeight = quantize_float(torch.randn(50, 64), "int4")
-    ids = torch.tensor([3, 0, 49, 3])
-    torch.testing.assert_close(weight.dequantize(ids), weight.dequantize()[ids])
+    weight = PanelWeight.from_rows(quantize_float(torch.randn(50, 64), "int4"))
+    ids = torch.tensor([3, 0, 49, 3, 16, 47])
+    torch.testing.assert_close(weight.dequantize(ids), weight.dequantize()[ids], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_panel_layout_interleaves_rows_and_keeps_sharing(ggml_type: T) -> None:
+    """Rows padded to whole panels with zeros, word j of row n at [n // 16, j, n % 16]."""
+    n, k = 37, 256
+    rows = from_gguf(random_gguf(ggml_type, n, k, seed=3), ggml_type, (n, k))
+    panels = PanelWeight.from_rows(rows)
+    words = rows.qweight.view(n, -1, 4)
+    assert panels.qweight.shape == (3, words.shape[1], PANEL, 4)
+    assert torch.equal(panels.qweight[2, 5, 4], words[36, 5])
+    assert not panels.qweight[2, :, 5:].any()
+    assert panels.scales.base.shape[::2] == (3, PANEL)
+    if ggml_type == T.Q4_0:
+        assert panels.mins is not None and panels.mins.base is panels.scales.base
+    torch.testing.assert_close(panels.rows().dequantize(), rows.dequantize(), rtol=0, atol=0)
+    assert panels.nbytes >= rows.nbytes
+
+
+def test_batch_invariance_over_every_row_count() -> None:
+    """One row's output is bitwise the same alone and in batches of 2 to 70, in any
+    position: a greedy answer must not change with the requests beside it."""
+    gen = torch.Generator().manual_seed(7)
+    weight = PanelWeight.from_rows(quantize_float(torch.randn(40, 200, generator=gen), "int4"))
+    probe = torch.randn(1, 200, generator=gen)
+    alone = quant_matmul(probe, weight)
+    for rows in (2, 5, 8, 9, 16, 31, 70):
+        batch = torch.randn(rows, 200, generator=gen)
+        at = rows // 2
+        batch[at] = probe[0]
+        assert torch.equal(quant_matmul(batch, weight)[at], alone[0]), rows

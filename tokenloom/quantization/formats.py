@@ -91,6 +91,16 @@ def _factors(values: np.ndarray | torch.Tensor) -> GroupFactors:
     return GroupFactors(half if exact else t)
 
 
+def held_tensors(
+    qweight: torch.Tensor, scales: GroupFactors, mins: GroupFactors | None
+) -> list[torch.Tensor]:
+    """Every tensor of a weight, each once (Q4_0's mins share the scales' base)."""
+    found = [qweight, scales.base, scales.codes]
+    if mins is not None:
+        found += [mins.base, mins.codes]
+    return list({id(t): t for t in found if t is not None}.values())
+
+
 @dataclass
 class QuantizedWeight:
     """A [out_features, in_features] matrix in one of the layouts above."""
@@ -107,12 +117,7 @@ class QuantizedWeight:
         return int(self.qweight.shape[0])
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor it holds, each once (Q4_0's mins share the scales' base)."""
-        found = [self.qweight, self.scales.base, self.scales.codes]
-        if self.mins is not None:
-            found += [self.mins.base, self.mins.codes]
-        unique = {id(t): t for t in found if t is not None}
-        return list(unique.values())
+        return held_tensors(self.qweight, self.scales, self.mins)
 
     @property
     def nbytes(self) -> int:
@@ -139,20 +144,6 @@ class QuantizedWeight:
         mins = None if self.mins is None else factors(self.mins)
         return QuantizedWeight(
             self.bits, self.group, self.in_features, qweight, factors(self.scales), mins
-        )
-
-    def kernel_args(self) -> tuple[object, ...]:
-        """The native kernel's arguments after ``x``."""
-        mins = self.mins
-        return (
-            self.qweight,
-            self.scales.base,
-            self.scales.codes,
-            None if mins is None else mins.base,
-            None if mins is None else mins.codes,
-            1.0 if mins is None else mins.multiplier,
-            self.bits,
-            self.group,
         )
 
     def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The native quantized matmul (``csrc/quant_linear.cpp``), built on first use as its
 own extension ``tokenloom_quant`` (cached like ``model.cpu_kernels``'s, keyed by
-the CPU's flags and this checkout). It rounds the activations to int8 (a scale
-per 8 columns) and uses integer dot products (AVX-512 VNNI, AVX-VNNI or AVX2).
+the CPU's flags and this checkout). It reads ``panels.py``'s layout, rounds the
+activations to int8 (a scale per 8 columns) and uses integer dot products
+(AVX-512 VNNI, AVX-VNNI or AVX2).
 Without AVX2 or a compiler, after a failed build or with
 ``TOKENLOOM_CPU_KERNELS=0``, ``quant_matmul`` dequantizes and uses ``F.linear``
 instead: float activations, slower, and the float weights exist for the
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom.model.cpu_kernels import build_extension, kernels_enabled
-from tokenloom.quantization.formats import QuantizedWeight
+from tokenloom.quantization.panels import PanelWeight
 
 _SOURCES = [Path(__file__).parent / "csrc" / "quant_linear.cpp"]
 
@@ -29,7 +30,7 @@ def native_available() -> bool:
     return kernels_enabled() and build_extension("tokenloom_quant", _SOURCES)
 
 
-def quant_matmul(x: torch.Tensor, weight: QuantizedWeight, native: bool = True) -> torch.Tensor:
+def quant_matmul(x: torch.Tensor, weight: PanelWeight, native: bool = True) -> torch.Tensor:
     """``x [M, K] float32 @ dequant(weight).T -> [M, N]``."""
     if native and native_available():
         return torch.ops.tokenloom_quant.quant_linear(x, *weight.kernel_args())

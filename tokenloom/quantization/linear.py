@@ -7,14 +7,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenloom.quantization.formats import QuantizedWeight
 from tokenloom.quantization.kernels import quant_matmul
+from tokenloom.quantization.panels import PanelWeight
 
 
 class QuantLinear(nn.Module):
     """``y = x @ dequant(weight).T + bias``; activations in float32."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: PanelWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.qweight = weight
         self.bias = bias
@@ -35,7 +35,7 @@ class QuantLinear(nn.Module):
 class QuantEmbedding(nn.Module):
     """Gathers rows of a quantized [vocab, hidden] matrix as float32."""
 
-    def __init__(self, weight: QuantizedWeight) -> None:
+    def __init__(self, weight: PanelWeight) -> None:
         super().__init__()
         self.qweight = weight
 

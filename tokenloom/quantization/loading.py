@@ -37,6 +37,7 @@ from tokenloom.quantization.formats import (
     quantize_float,
 )
 from tokenloom.quantization.linear import QuantEmbedding, QuantLinear
+from tokenloom.quantization.panels import PanelWeight
 
 _EMBED = "embed_tokens.weight"
 _HEAD = "lm_head.weight"
@@ -164,7 +165,7 @@ def load_quantized(
 
     map_name = model._map_name  # HF name -> (our parameter, row offset, parts)
     pending: dict[str, list[tuple[int, QuantizedWeight]]] = {}
-    weights: dict[str, QuantizedWeight] = {}
+    weights: dict[str, PanelWeight] = {}
 
     def floats(stream: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:
         for hf_name, value in stream:
@@ -175,7 +176,9 @@ def load_quantized(
                 got.append((offset or 0, value))
                 if len(got) == count:  # fused now, so its parts are gone before the next
                     del pending[name]
-                    weights[name] = concat_rows([w for _, w in sorted(got, key=lambda p: p[0])])
+                    weights[name] = PanelWeight.from_rows(
+                        concat_rows([w for _, w in sorted(got, key=lambda p: p[0])])
+                    )
             else:
                 yield hf_name, value
 

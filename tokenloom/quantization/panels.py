@@ -1,0 +1,113 @@
+"""The native kernel's weight layout: a ``QuantizedWeight``'s output rows in panels
+of ``PANEL``, and within a panel the rows' 4-byte words side by side.
+
+The kernel then reads one word of 16 rows with one 64-byte load and computes
+outer products (each int32 lane an output row), the same loop for every batch
+size, so a row's result does not depend on the rows beside it (see
+``csrc/quant_linear.cpp``). Converting is a transpose of the row-major layout
+(``formats.py``), done once at load: a [N, bytes] matrix becomes [N_pad / 16,
+bytes / 4, 16, 4], and each [N, G] factor [N_pad / 16, G, 16], rows past N zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenloom.quantization.formats import GroupFactors, QuantizedWeight, held_tensors
+
+PANEL = 16  # output rows per panel
+_WORD = 4  # bytes of a row per word
+
+
+def _to_panels(t: torch.Tensor) -> torch.Tensor:
+    """[N, C, *rest] -> [N_pad / PANEL, C, PANEL, *rest], padded with zero rows."""
+    pad = -t.shape[0] % PANEL
+    if pad:
+        t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
+    return t.view(-1, PANEL, *t.shape[1:]).transpose(1, 2).contiguous()
+
+
+def _from_panels(t: torch.Tensor, n: int, rows: torch.Tensor | None) -> torch.Tensor:
+    """``_to_panels``'s inverse: rows ``rows`` (all ``n`` if None) as [len, C, *rest]."""
+    if rows is None:
+        return t.transpose(1, 2).reshape(-1, *t.shape[1:2], *t.shape[3:])[:n]
+    return t[rows // PANEL, :, rows % PANEL]
+
+
+@dataclass
+class PanelWeight:
+    """A ``QuantizedWeight`` in panel order: what ``QuantLinear`` and
+    ``QuantEmbedding`` hold and the kernel reads."""
+
+    bits: int
+    group: int
+    in_features: int
+    out_features: int
+    qweight: torch.Tensor  # [panels, words, PANEL, 4], uint8 (4-bit) or int8
+    scales: GroupFactors  # base [panels, G / per, PANEL], codes [panels, G, PANEL]
+    mins: GroupFactors | None
+
+    @classmethod
+    def from_rows(cls, weight: QuantizedWeight) -> PanelWeight:
+        """The panel layout of ``weight`` (Q4_0's mins keep sharing its scales' base)."""
+        n = weight.out_features
+
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            return _to_panels(t.view(n, -1, _WORD) if t is weight.qweight else t)
+
+        panels = weight.map_tensors(convert)
+        return cls(
+            weight.bits,
+            weight.group,
+            weight.in_features,
+            n,
+            panels.qweight,
+            panels.scales,
+            panels.mins,
+        )
+
+    def rows(self, rows: torch.Tensor | None = None) -> QuantizedWeight:
+        """Rows ``rows`` (all if None) back in the row-major layout."""
+        n = self.out_features
+
+        def factors(f: GroupFactors) -> GroupFactors:
+            codes = None if f.codes is None else _from_panels(f.codes, n, rows)
+            return GroupFactors(_from_panels(f.base, n, rows), codes, f.multiplier)
+
+        q = _from_panels(self.qweight, n, rows)
+        return QuantizedWeight(
+            self.bits,
+            self.group,
+            self.in_features,
+            q.reshape(q.shape[0], -1),
+            factors(self.scales),
+            None if self.mins is None else factors(self.mins),
+        )
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weights [N (or len(rows)), in_features]."""
+        return self.rows(rows).dequantize()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return held_tensors(self.qweight, self.scales, self.mins)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def kernel_args(self) -> tuple[object, ...]:
+        """The native kernel's arguments after ``x``."""
+        mins = self.mins
+        return (
+            self.qweight,
+            self.scales.base,
+            self.scales.codes,
+            None if mins is None else mins.base,
+            None if mins is None else mins.codes,
+            1.0 if mins is None else mins.multiplier,
+            self.bits,
+            self.group,
+            self.out_features,
+        )
