@@ -1,4 +1,5 @@
-"""Quantized weight layouts the kernels read, and conversion into them.
+"""Quantized weight layouts (row-major; ``panels.py`` transposes them for the kernel),
+and conversion into them.
 
 Every supported GGUF type is repacked at load time into one of two layouts that
 reproduce its dequantized weights exactly (``w = scale * q + min`` per group of
