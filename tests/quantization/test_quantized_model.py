@@ -25,9 +25,9 @@ from tokenloom.quantization.linear import QuantEmbedding, QuantLinear, quantized
 
 NUM_TOKENS = 4096
 CHUNK = 1024  # tokens per teacher-forced sequence
-# Tokens per forward pass on the quantized side: few rows run the int8-activation
-# kernel that decode uses (a whole chunk would run float32 on dequantized tiles,
-# equal to the reference by construction).
+# Tokens per forward pass on the quantized side: decode-sized passes, each
+# attending over the KV cache the earlier ones wrote, as serving does (the
+# quantized kernel itself computes the same at any row count).
 DECODE_ROWS = 4
 BLOCK = 16
 

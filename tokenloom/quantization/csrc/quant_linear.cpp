@@ -1,7 +1,7 @@
 // y = x @ dequant(W).T for weights kept quantized in memory, with int8
 // activations and integer dot products, as llama.cpp does.
 //
-// Weights arrive in formats.py's panel layout: output rows in panels of 16, and
+// Weights arrive in panels.py's layout: output rows in panels of 16, and
 // within a panel, per 4-byte word of a row, the 16 rows' words side by side
 // (qweight [panels, words, 16, 4]); scales and mins likewise [panels, groups,
 // 16]. So one 64-byte load holds the same word of 16 rows, and the kernel
