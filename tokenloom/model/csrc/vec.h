@@ -14,6 +14,11 @@ typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef float vec_unaligned __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
 typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
+// 1.5 * 2^23. Adding it to a float below 2^22 in magnitude rounds that float to
+// an integer (ties to even), and subtracting it again gives the integer as a
+// float; an integer below 2^22 added to its bits likewise lands in its mantissa.
+constexpr float kRoundingMagic = 12582912.0f;
+
 inline vec load(const float* p) { return *reinterpret_cast<const vec_unaligned*>(p); }
 inline void store(float* p, vec v) { *reinterpret_cast<vec_unaligned*>(p) = v; }
 
@@ -32,7 +37,7 @@ inline float lane_sum(vec v) {
 inline vec exp_nonpositive(vec x) {
   const vec lowest = vec{} - 87.0f;
   x = x > lowest ? x : lowest;
-  const vec magic = vec{} + 12582912.0f;
+  const vec magic = vec{} + kRoundingMagic;
   const vec n = (x * 1.44269504088896341f + magic) - magic;
   const vec r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
   vec p = vec{} + 1.9875691500e-4f;

@@ -147,7 +147,6 @@ inline void store_first(float* p, fvec_t v, int64_t count) {
 
 // Signed 8-bit codes become the unsigned side as q + 128 with VNNI.
 constexpr bool kShiftedCodes8 = TL_VNNI;
-constexpr int64_t kSubPanels = kPanel / kRowsPerVec;  // vectors per panel
 
 // Products of tiny weight and activation scales fall below float32's normal
 // range (a random-weight 1B model's activations reach 1e-33), and every op on a
@@ -267,12 +266,13 @@ struct QuantActs {
     int32_t* row_words = words.get() + tile * act_groups * kTileM * 2 + r * 2;
     float* row_scales = scales.get() + tile * act_groups * kTileM + r;
     float* row_sums = sums ? sums.get() + m * groups : nullptr;
-    const vec magic = vec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to nearest even
+    const vec magic = vec{} + kRoundingMagic;
     for (int64_t c0 = 0; c0 < w.k_pad; c0 += unit) {
-      float chunk[unit] = {};
+      float chunk[unit];  // the last, zero-padded columns
       const float* src = x + c0;
       if (c0 + unit > cols) {
-        if (c0 < cols) std::copy(x + c0, x + cols, chunk);
+        const int64_t have = std::max<int64_t>(0, cols - c0);
+        std::fill(std::copy(x + c0, x + c0 + have, chunk), chunk + unit, 0.0f);
         src = chunk;
       }
       vec part[Halves];
@@ -320,12 +320,12 @@ void panel_tile(const QuantWeight& w, const QuantActs& a, int64_t p, int64_t lan
   const int64_t tile = m0 / kTileM;
   const int32_t* words = a.words.get() + tile * a.act_groups * kTileM * 2;
   const float* xs = a.scales.get() + tile * a.act_groups * kTileM;
-  // Each dot product starts from the bits of the float 1.5 * 2^23: the integer
-  // sum then lands in the mantissa, and subtracting 1.5 * 2^23 gives it as a
-  // float, exactly (|sum| < 2^22). vcvtdq2ps would do the same on the port
-  // that also runs every vpdpbusd; the subtraction can run on another.
-  const ivec_t biased = set1_i(0x4B400000);
-  const fvec_t bias = set1_f(12582912.0f);
+  // Each dot product starts from the bits of kRoundingMagic: the integer sum
+  // then lands in the mantissa, and subtracting the magic gives it as a float,
+  // exactly (|sum| < 2^22). vcvtdq2ps would do the same on the port that also
+  // runs every vpdpbusd; the subtraction can run on another.
+  const ivec_t biased = set1_i(__builtin_bit_cast(int32_t, kRoundingMagic));
+  const fvec_t bias = set1_f(kRoundingMagic);
   fvec_t acc[MR];
   for (auto& v : acc) v = zero_f();
   for (int64_t g = 0; g < w.groups; ++g) {
