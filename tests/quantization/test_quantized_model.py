@@ -3,7 +3,7 @@ float32: the default GGUF (Q4_1 layers, Q8_0 tied embedding) on >= 4,000 tokens
 of local English text, tiny random-weight GGUFs for the types it lacks, and
 Hugging Face checkpoints quantized at load time (int8, int4). The quantized side
 is teacher-forced DECODE_ROWS tokens per forward pass, through the kernel path
-decode uses."""
+decode uses (the native decoder stack, where the model qualifies)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from gguf.constants import GGMLQuantizationType as T
 from tests.model.harness import BlockAllocator, Seq, run_step
 from tests.quantization.blocks import write_tiny_gguf
 from tokenloom.config import ModelConfig
+from tokenloom.model.cpu_kernels import paged_attention_op
 from tokenloom.model.kv_cache import allocate_kv_caches
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.tokenizer import load_tokenizer
@@ -50,13 +51,22 @@ def teacher_forced(
     """(perplexity of ``ids``, argmax at every position) in CHUNK-token sequences,
     ``step`` tokens per forward pass (the matmuls see that many rows)."""
     caches = allocate_kv_caches(loaded.arch, CHUNK // BLOCK + 1, BLOCK, loaded.dtype, loaded.device)
+    # The runner's attention kernel: with it, decode-sized passes of a quantized
+    # model run through its native decoder stack, as they do when serving.
+    native_op = paged_attention_op(loaded.device, loaded.dtype, loaded.arch.head_dim)
     nll, argmax = 0.0, []
     for start in range(0, len(ids), CHUNK):
         tokens = ids[start : start + CHUNK]
         seq, allocator = Seq(tokens), BlockAllocator(BLOCK)
         logits = torch.cat(
             [
-                run_step(loaded.model, caches, allocator, [(seq, min(step, len(tokens) - done))])[0]
+                run_step(
+                    loaded.model,
+                    caches,
+                    allocator,
+                    [(seq, min(step, len(tokens) - done))],
+                    native_op,
+                )[0]
                 for done in range(0, len(tokens), step)
             ]
         )

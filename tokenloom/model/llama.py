@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +30,9 @@ from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.attention import AttentionMetadata, paged_attention
 from tokenloom.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 from tokenloom.model.packed_linear import PackedLinear, prepack_linears
+
+if TYPE_CHECKING:
+    from tokenloom.quantization.decoder_stack import DecoderStack
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -170,6 +174,9 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, dtype=dtype)
         # The packed head, or tensor parallelism's gathering one (distributed.parallel_layers).
         self.logits_head: nn.Module | None = None
+        # The layers as one native call, for the steps it serves: set by the loader
+        # for quantized models it applies to (quantization.decoder_stack).
+        self.decoder_stack: DecoderStack | None = None
 
     def init_buffers(
         self, device: torch.device, dtype: torch.dtype, max_positions: int | None = None
@@ -207,6 +214,8 @@ class CausalLM(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         h = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
+        if self.decoder_stack is not None and self.decoder_stack.serves(attn_metadata):
+            return self.decoder_stack(h, cos, sin, kv_caches, attn_metadata)
         local_cos, local_sin = cos, sin
         if self.local_rotary is not None:
             local_cos, local_sin = self.local_rotary.cos_sin(positions)

@@ -31,6 +31,7 @@ from tokenloom.model.llama import CausalLM
 from tokenloom.model.packed_linear import prepacking_available
 from tokenloom.model.paths import resolve_model_path
 from tokenloom.model.registry import model_class
+from tokenloom.quantization.decoder_stack import DecoderStack
 from tokenloom.quantization.loading import load_quantized, resolve_quantization
 
 if TYPE_CHECKING:
@@ -105,6 +106,8 @@ def load_model(
         model.prepack_weights()
     if layer_ops_available(device, dtype):
         model.use_fused_layer_ops()
+    if quantization and shard is None and isinstance(model, CausalLM):
+        model.decoder_stack = DecoderStack.for_model(model)
     if shard is not None:
         from tokenloom.distributed.parallel_layers import parallelize
 

@@ -1,5 +1,6 @@
-"""The native quantized matmul (``csrc/quant_linear.cpp``), built on first use as its
-own extension ``tokenloom_quant`` (cached like ``model.cpu_kernels``'s, keyed by
+"""The native quantized matmul (``csrc/quant_linear.cpp``; ``csrc/decoder_stack.cpp``
+runs it for whole decoders), built on first use as their own extension
+``tokenloom_quant`` (cached like ``model.cpu_kernels``'s, keyed by
 the CPU's flags and this checkout). It reads ``panels.py``'s layout, rounds the
 activations to int8 (a scale per 8 columns) and uses integer dot products
 (AVX-512 VNNI, AVX-VNNI or AVX2).
@@ -20,7 +21,9 @@ import torch.nn.functional as F
 from tokenloom.model.cpu_kernels import build_extension, kernels_enabled
 from tokenloom.quantization.panels import PanelWeight
 
-_SOURCES = [Path(__file__).parent / "csrc" / "quant_linear.cpp"]
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("quant_linear.cpp", "decoder_stack.cpp")
+]
 
 
 @functools.cache

@@ -47,8 +47,10 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "../../model/csrc/vec.h"
+#include "quant_matrix.h"
 
 namespace tokenloom {
 namespace {
@@ -459,15 +461,21 @@ Factors factors(const std::optional<at::Tensor>& base, const std::optional<at::T
   return f;
 }
 
-// The output is allocated here: an `out` argument made each batch-1 call
-// (about 120 a step) a microsecond slower, with the Python that makes it.
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight,
-                        const at::Tensor& scale_base, const std::optional<at::Tensor>& scale_codes,
-                        const std::optional<at::Tensor>& min_base,
-                        const std::optional<at::Tensor>& min_codes, double min_multiplier,
-                        int64_t bits, int64_t group, int64_t n_out) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
-  const FlushDenormals flush;
+}  // namespace
+
+// What a QuantMatrix checked once: the kernel's view of the weight, and the
+// tensors it points into, kept alive.
+struct QuantMatrix::Layout {
+  std::vector<at::Tensor> held;
+  QuantWeight weight;
+  int64_t n_out;
+};
+
+QuantMatrix::QuantMatrix(const at::Tensor& qweight, const at::Tensor& scale_base,
+                         const std::optional<at::Tensor>& scale_codes,
+                         const std::optional<at::Tensor>& min_base,
+                         const std::optional<at::Tensor>& min_codes, double min_multiplier,
+                         int64_t bits, int64_t group, int64_t n_out) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(group == 32 || (bits == 8 && group == 16),
               "group must be 32, or 16 for 8-bit codes");
@@ -479,27 +487,52 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight,
               "n_out does not match the weight's panels");
   const int64_t row_bytes = qweight.size(1) * kWordBytes;
   const int64_t k_pad = bits == 4 ? row_bytes * 2 : row_bytes;
-  TORCH_CHECK(k_pad % kBlock == 0 && x.size(1) <= k_pad, "x has more columns than the weight");
-  const int64_t rows = x.size(0);
+  TORCH_CHECK(k_pad % kBlock == 0, "a weight row must be whole blocks of 32 columns");
   const int64_t groups = k_pad / group;
+  std::vector<at::Tensor> held{qweight, scale_base};
+  for (const auto* t : {&scale_codes, &min_base, &min_codes}) {
+    if (t->has_value()) held.push_back(**t);
+  }
+  layout_ = std::make_shared<const Layout>(Layout{
+      std::move(held),
+      QuantWeight{bits, group, k_pad, qweight.size(1), groups,
+                  reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
+                  factors(scale_base, scale_codes, panels, groups, "scale"),
+                  factors(min_base, min_codes, panels, groups, "min", min_multiplier)},
+      n_out});
+}
+
+int64_t QuantMatrix::out_features() const { return layout_->n_out; }
+
+// The output is allocated here: an `out` argument made each batch-1 call
+// (about 120 a step) a microsecond slower, with the Python that makes it.
+at::Tensor QuantMatrix::operator()(const at::Tensor& x) const {
+  const QuantWeight& w = layout_->weight;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
+  TORCH_CHECK(x.size(1) <= w.k_pad, "x has more columns than the weight");
+  const FlushDenormals flush;
+  const int64_t rows = x.size(0), n_out = layout_->n_out;
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor out = at::empty({rows, n_out}, x.options());
-  const QuantWeight w{bits,
-                      group,
-                      k_pad,
-                      qweight.size(1),
-                      groups,
-                      reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
-                      factors(scale_base, scale_codes, panels, groups, "scale"),
-                      factors(min_base, min_codes, panels, groups, "min", min_multiplier)};
   if (rows == 0) return out;
   const QuantActs acts(xc.data_ptr<float>(), rows, x.size(1), xc.stride(0), w);
-  if (bits == 4) {
+  if (w.bits == 4) {
     panel_gemm<4>(w, acts, rows, n_out, out.data_ptr<float>());
   } else {
     panel_gemm<8>(w, acts, rows, n_out, out.data_ptr<float>());
   }
   return out;
+}
+
+namespace {
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight,
+                        const at::Tensor& scale_base, const std::optional<at::Tensor>& scale_codes,
+                        const std::optional<at::Tensor>& min_base,
+                        const std::optional<at::Tensor>& min_codes, double min_multiplier,
+                        int64_t bits, int64_t group, int64_t n_out) {
+  return QuantMatrix(qweight, scale_base, scale_codes, min_base, min_codes, min_multiplier, bits,
+                     group, n_out)(x);
 }
 
 }  // namespace

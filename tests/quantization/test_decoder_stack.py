@@ -1,0 +1,155 @@
+"""The native decoder stack against the modules it stands in for: it runs the same
+kernels in the same order, so logits and KV caches must match bit for bit, on
+the real default GGUF and at every batch shape the stack serves."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as T
+
+from tests.model.harness import BlockAllocator, Seq, run_step
+from tests.quantization.blocks import write_tiny_gguf
+from tokenloom.config import ModelConfig
+from tokenloom.model.attention import NATIVE_MAX_QUERY, AttentionMetadata
+from tokenloom.model.cpu_kernels import paged_attention_op
+from tokenloom.model.kv_cache import allocate_kv_caches
+from tokenloom.model.layers import RMSNorm
+from tokenloom.model.loader import LoadedModel, load_model
+from tokenloom.quantization.decoder_stack import DecoderStack
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def default_quantized() -> LoadedModel:
+    return load_model(ModelConfig(model=None))
+
+
+class CountingStack:
+    """Stands in for the native object, counting the steps it runs."""
+
+    def __init__(self, native: Any) -> None:
+        self.native = native
+        self.calls = 0
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        self.calls += 1
+        out: torch.Tensor = self.native.forward(*args)
+        return out
+
+
+def run_schedule(
+    loaded: LoadedModel, cache_dtype: torch.dtype, use_stack: bool
+) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """(logits of every step, the caches after, steps the stack ran) for a fixed
+    mix: a long prefill (modules), then steps of decodes, short chunks and the
+    longest chunk the native attention kernel takes, side by side."""
+    model: Any = loaded.model
+    stack = model.decoder_stack
+    counter = CountingStack(stack.stack)
+    stack.stack = counter
+    model.decoder_stack = stack if use_stack else None
+    caches = allocate_kv_caches(loaded.arch, 32, BLOCK, cache_dtype, loaded.device)
+    native_op = paged_attention_op(loaded.device, loaded.dtype, loaded.arch.head_dim)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [Seq(torch.randint(100, 40000, (n,), generator=gen).tolist()) for n in (90, 70, 60)]
+    allocator = BlockAllocator(BLOCK)
+    schedules = [
+        [(seqs[0], 50), (seqs[1], 40)],  # chunks longer than the kernel takes: modules
+        [(seqs[0], 1), (seqs[1], 1), (seqs[2], 5)],
+        [(seqs[0], 1), (seqs[1], 3), (seqs[2], NATIVE_MAX_QUERY)],
+        [(seqs[0], 1)],
+        [(seqs[0], 1), (seqs[1], 1), (seqs[2], 1)],
+    ]
+    try:
+        logits = [
+            torch.cat(run_step(model, caches, allocator, schedule, native_op))
+            for schedule in schedules
+        ]
+    finally:
+        stack.stack = counter.native
+        model.decoder_stack = stack
+    return logits, caches, counter.calls
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_stack_equals_the_modules_bit_for_bit(
+    default_quantized: LoadedModel, cache_dtype: torch.dtype
+) -> None:
+    assert isinstance(default_quantized.model.decoder_stack, DecoderStack)
+    stacked, stacked_caches, calls = run_schedule(default_quantized, cache_dtype, True)
+    modules, module_caches, unused = run_schedule(default_quantized, cache_dtype, False)
+    assert (calls, unused) == (4, 0)  # every step but the first went through the stack
+    for a, b in zip(stacked, modules, strict=True):
+        assert torch.equal(a, b)
+    for (k1, v1), (k2, v2) in zip(stacked_caches, module_caches, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_serves_only_steps_the_native_kernel_takes_whole() -> None:
+    table = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
+    op = paged_attention_op(torch.device("cpu"), torch.float32, 64)
+
+    def meta(query_len: int, native_op: Callable[..., None] | None = op) -> AttentionMetadata:
+        slots = torch.arange(40 - query_len, 40)
+        return AttentionMetadata.build([query_len], [40], table, slots, BLOCK, native_op)
+
+    assert DecoderStack.serves(meta(1))
+    assert DecoderStack.serves(meta(NATIVE_MAX_QUERY))
+    assert not DecoderStack.serves(meta(NATIVE_MAX_QUERY + 1))
+    assert not DecoderStack.serves(meta(1, native_op=None))
+
+
+def _with_bias(model: Any) -> None:
+    proj = model.layers[1].self_attn.qkv_proj
+    proj.bias = torch.zeros(proj.out_features)
+
+
+def _with_q_norm(model: Any) -> None:
+    attn = model.layers[0].self_attn
+    attn.q_norm = RMSNorm(attn.head_dim, 1e-5)
+
+
+def _with_window(model: Any) -> None:
+    model.layers[1].self_attn.window = 64
+
+
+def _with_softcap(model: Any) -> None:
+    model.layers[0].self_attn.softcap = 50.0
+
+
+@pytest.mark.parametrize("change", [_with_bias, _with_q_norm, _with_window, _with_softcap])
+def test_layers_it_does_not_compute_keep_the_modules(
+    change: Callable[[Any], None], tmp_path: Path
+) -> None:
+    path = tmp_path / "tiny.gguf"
+    matrices = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    write_tiny_gguf(path, {"token_embd": T.Q8_0, **dict.fromkeys(matrices, T.Q4_K)})
+    model: Any = load_model(ModelConfig(model=str(path))).model
+    assert DecoderStack.for_model(model) is not None
+    change(model)
+    assert DecoderStack.for_model(model) is None
+
+
+def test_float_weights_and_disabled_kernels_get_no_stack(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert load_model(ModelConfig(model=None, dtype="float32")).model.decoder_stack is None
+    monkeypatch.setenv("TOKENLOOM_CPU_KERNELS", "0")
+    assert load_model(ModelConfig(model=None)).model.decoder_stack is None
+
+
+def test_mismatched_caches_are_refused(default_quantized: LoadedModel) -> None:
+    stack: Any = default_quantized.model.decoder_stack
+    layers = default_quantized.arch.num_hidden_layers
+    hidden = torch.zeros(1, default_quantized.arch.hidden_size)
+    meta = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=f"for {layers} layers"):
+        stack.stack.forward(
+            hidden, hidden, hidden, [], [], meta.long(), meta[None], meta, meta, meta, meta
+        )

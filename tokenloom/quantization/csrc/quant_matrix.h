@@ -1,0 +1,32 @@
+// A quantized weight in panels.py's layout, checked once and applied many
+// times: the `quant_linear` op builds one per call, the decoder stack
+// (decoder_stack.cpp) one per projection at load.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+
+namespace tokenloom {
+
+class QuantMatrix {
+ public:
+  // The arguments of `quant_linear` after x (see quant_linear.cpp).
+  QuantMatrix(const at::Tensor& qweight, const at::Tensor& scale_base,
+              const std::optional<at::Tensor>& scale_codes,
+              const std::optional<at::Tensor>& min_base,
+              const std::optional<at::Tensor>& min_codes, double min_multiplier, int64_t bits,
+              int64_t group, int64_t n_out);
+
+  // x float32 [M, <= K] (rows may be strided) -> a new [M, n_out].
+  at::Tensor operator()(const at::Tensor& x) const;
+  int64_t out_features() const;
+
+ private:
+  struct Layout;
+  std::shared_ptr<const Layout> layout_;
+};
+
+}  // namespace tokenloom
