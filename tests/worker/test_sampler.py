@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from tokenloom.worker.sampler import Sampler, apply_penalties
+from tokenloom.worker.sampler import Sampler, apply_penalties, greedy_tokens
 from tokenloom.worker.sampling_metadata import SamplingMetadata
 
 VOCAB = 12
@@ -102,6 +102,19 @@ def test_greedy_is_argmax() -> None:
     out = Sampler()(logits.clone(), make_metadata(7, temperature=0.0))
     assert out.sampled_token_ids.tolist() == logits.argmax(-1).tolist()
     assert out.logprobs is None
+
+
+def test_greedy_tokens_break_ties_and_nans_as_torch_argmax() -> None:
+    logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(2))
+    logits[1, [7, 9000]] = 100.0  # a tie: the first wins
+    logits[2, [5, 11]] = float("nan")  # NaN counts as the largest
+    logits[3] = float("-inf")
+    strided = logits[:, ::2]
+    for x in (logits, strided, logits[:1]):
+        got = greedy_tokens(x)
+        assert got.dtype == torch.int64
+        assert got.tolist() == x.argmax(-1).tolist()
+    assert greedy_tokens(logits)[1:4].tolist() == [7, 5, 0]
 
 
 @pytest.mark.parametrize(

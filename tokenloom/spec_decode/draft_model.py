@@ -43,7 +43,7 @@ from tokenloom.model.llama import CausalLM
 from tokenloom.model.loader import load_model
 from tokenloom.spec_decode.target_probs import shaped_probs
 from tokenloom.worker.input_batch import InputBatch
-from tokenloom.worker.sampler import draw_uniform
+from tokenloom.worker.sampler import draw_uniform, greedy_tokens
 from tokenloom.worker.top_k_top_p import inverse_cdf
 
 
@@ -228,7 +228,7 @@ class DraftModelProposer:
         """One draft per row: argmax for greedy requests, else a draw from the shaped
         draft distribution (kept in ``probs[row]`` for the verifier)."""
         logits = self.model.compute_logits(hidden)
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         temperature = batch.temperature[slots]
         random = np.flatnonzero(temperature > 0.0)
         if random.size:

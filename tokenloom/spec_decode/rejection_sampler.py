@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloom.worker.sampler import greedy_tokens
 from tokenloom.worker.top_k_top_p import inverse_cdf
 
 
@@ -61,7 +62,7 @@ def rejection_sample(inputs: VerifyInputs) -> list[list[int]]:
         q_draft = torch.ones_like(p_draft)
     else:
         q_draft = inputs.draft_probs.gather(1, drafts[:, None]).squeeze(1)
-    argmax = p.argmax(dim=-1)
+    argmax = greedy_tokens(p)
     # u < p/q, written without the division (q may be 0 where p is not).
     random_accept = inputs.accept_uniforms.to(device=device, dtype=p.dtype) * q_draft < p_draft
     greedy_accept = drafts == argmax
