@@ -502,8 +502,6 @@ QuantMatrix::QuantMatrix(const at::Tensor& qweight, const at::Tensor& scale_base
       n_out});
 }
 
-int64_t QuantMatrix::out_features() const { return layout_->n_out; }
-
 // The output is allocated here: an `out` argument made each batch-1 call
 // (about 120 a step) a microsecond slower, with the Python that makes it.
 at::Tensor QuantMatrix::operator()(const at::Tensor& x) const {

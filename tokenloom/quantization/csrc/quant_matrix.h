@@ -22,7 +22,6 @@ class QuantMatrix {
 
   // x float32 [M, <= K] (rows may be strided) -> a new [M, n_out].
   at::Tensor operator()(const at::Tensor& x) const;
-  int64_t out_features() const;
 
  private:
   struct Layout;
