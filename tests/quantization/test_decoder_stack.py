@@ -153,3 +153,21 @@ def test_mismatched_caches_are_refused(default_quantized: LoadedModel) -> None:
         stack.stack.forward(
             hidden, hidden, hidden, [], [], meta.long(), meta[None], meta, meta, meta, meta
         )
+
+
+def test_a_qkv_projection_that_does_not_fit_the_heads_is_refused_at_load(
+    default_quantized: LoadedModel,
+) -> None:
+    model: Any = default_quantized.model
+    attn = model.layers[0].self_attn
+    stack = torch.classes.tokenloom_quant.DecoderStack(
+        attn.num_heads + attn.num_kv_heads,
+        attn.num_kv_heads,
+        attn.head_dim,
+        1e-5,
+        0.125,
+        model.norm.weight,
+    )
+    stack.add_layer(model.layers[0].input_layernorm.weight, model.norm.weight)
+    with pytest.raises(RuntimeError, match="qkv width 960"):
+        stack.add_matrix(*attn.qkv_proj.qweight.kernel_args())

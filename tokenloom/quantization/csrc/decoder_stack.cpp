@@ -79,6 +79,9 @@ class DecoderStack : public torch::CustomClassHolder {
                   double min_multiplier, int64_t bits, int64_t group, int64_t n_out) {
     TORCH_CHECK(!layers_.empty() && layers_.back().projections.size() < kProjections,
                 "add_matrix needs a layer with fewer than four projections");
+    const int64_t qkv_width = (num_heads_ + 2 * num_kv_heads_) * head_dim_;
+    TORCH_CHECK(!layers_.back().projections.empty() || n_out == qkv_width, "layer ",
+                layers_.size() - 1, ": qkv width ", n_out, ", the heads need ", qkv_width);
     layers_.back().projections.emplace_back(qweight, scale_base, scale_codes, min_base, min_codes,
                                             min_multiplier, bits, group, n_out);
   }
@@ -112,7 +115,6 @@ class DecoderStack : public torch::CustomClassHolder {
         add_rms_norm_.call(x, residual, layer.input_norm, eps_);
       }
       const Tensor qkv = proj[kQkv](x);
-      TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "layer ", l, ": qkv width ", qkv.size(1));
       Tensor q = at::empty({tokens, num_heads_, head_dim_}, options);
       Tensor k = at::empty({tokens, num_kv_heads_, head_dim_}, options);
       rotary_qk_.call(q, k, qkv, cos, sin);
