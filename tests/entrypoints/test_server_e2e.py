@@ -301,9 +301,12 @@ def test_client_disconnect_mid_stream_aborts(server: RemoteServer) -> None:
 
 
 def test_client_disconnect_without_streaming_aborts(server: RemoteServer) -> None:
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+    # The client must leave while the request still runs: 480 tokens take about
+    # 3.5 s at the quantized default model's batch-1 speed (7 ms/token), so it
+    # leaves after 1 s (with 400 tokens and 3 s, the request sometimes finished).
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(3.0))
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(1.0))
     wait_until(lambda: _idle(server.url), 30, "running=0 and KV usage=0 after the disconnect")
 
 
