@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenloom.model import huge_pages
 from tokenloom.model.arch_config import ModelArchConfig
 
 
@@ -31,7 +32,8 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: str | torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed (K, V) per layer; zeros keep masked-out padding finite."""
+    """Zeroed (K, V) per layer; zeros keep masked-out padding finite. On the CPU they
+    sit on huge pages (``huge_pages``): attention reads blocks scattered over them."""
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     if block_size < 1:
@@ -39,8 +41,8 @@ def allocate_kv_caches(
     heads, dim = arch.num_key_value_heads, arch.head_dim
     return [
         (
-            torch.zeros((num_blocks, heads, dim, block_size), dtype=dtype, device=device),
-            torch.zeros((num_blocks, block_size, heads, dim), dtype=dtype, device=device),
+            huge_pages.zeros((num_blocks, heads, dim, block_size), dtype, device),
+            huge_pages.zeros((num_blocks, block_size, heads, dim), dtype, device),
         )
         for _ in range(arch.num_hidden_layers)
     ]

@@ -1,0 +1,71 @@
+"""The KV cache's huge-page allocation: zeroed, writable, advised for 2 MB pages,
+alive as long as any view of it, and plain ``torch.zeros`` where it cannot help."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenloom.model import huge_pages
+from tokenloom.model.arch_config import ModelArchConfig
+from tokenloom.model.kv_cache import allocate_kv_caches
+
+
+def mapping_flags(address: int) -> list[str]:
+    """VmFlags of this process's mapping that holds ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_zeros_are_zero_writable_and_the_requested_shape() -> None:
+    t = huge_pages.zeros((3, 1024, 1024), torch.bfloat16, "cpu")
+    assert t.shape == (3, 1024, 1024) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert not t.any()
+    t[2, 1023, 1023] = 5.0
+    assert t.sum().item() == 5.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="smaps is Linux's")
+def test_large_tensors_are_advised_huge_pages_and_small_ones_are_not() -> None:
+    large = huge_pages.zeros((4 << 20,), torch.float32, "cpu")  # 16 MB
+    assert "hg" in mapping_flags(large.data_ptr())
+    small = huge_pages.zeros((1024,), torch.float32, "cpu")
+    assert "hg" not in mapping_flags(small.data_ptr())
+
+
+def test_the_memory_outlives_the_tensor_through_its_views() -> None:
+    t = huge_pages.zeros((2, 2 << 20), torch.float32, "cpu")
+    t.fill_(2.0)
+    view = t[1]
+    del t
+    gc.collect()
+    assert view.sum().item() == 2.0 * (2 << 20)
+
+
+def test_other_devices_get_torch_zeros() -> None:
+    t = huge_pages.zeros((4 << 20,), torch.float32, "meta")
+    assert t.device.type == "meta" and t.shape == (4 << 20,)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="smaps is Linux's")
+def test_cpu_kv_caches_sit_on_huge_pages() -> None:
+    arch = ModelArchConfig(
+        architecture="LlamaForCausalLM", hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        vocab_size=100, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=1e4,
+        rope_scaling=None, tie_word_embeddings=True, attention_bias=False, bos_token_id=None,
+    )  # fmt: skip
+    caches = allocate_kv_caches(arch, 512, 16, torch.float32, "cpu")  # 6 MB a tensor
+    for k, v in caches:
+        assert "hg" in mapping_flags(k.data_ptr()) and "hg" in mapping_flags(v.data_ptr())
