@@ -280,6 +280,9 @@ constexpr int64_t kMinWorkPerThread = 1 << 18;
 // Work units (query token, KV group) are handed out dynamically to torch's
 // intra-op threads because context lengths differ widely within a batch; one
 // token's groups can go to different threads, so a single long decode uses them all.
+// They go out group by group: consecutive units of a prompt chunk then read the
+// same group's K/V, which stays in L2 (token by token, every group's K/V passed
+// through it in turn: a 2,048-token chunk ran 1.4x slower).
 template <int64_t D, typename T>
 void run(const Problem<T>& p) {
   const std::vector<Task>& tasks = *p.tasks;
@@ -292,8 +295,9 @@ void run(const Problem<T>& p) {
     scratch.q.resize(p.num_heads * D);
     scratch.scores.resize(p.num_heads * scratch.stride);
     scratch.tile.resize(D * kLanes);
+    const int64_t num_tasks = static_cast<int64_t>(tasks.size());
     for (int64_t u = next++; u < num_units; u = next++)
-      attend<D, T>(p, tasks[u / p.num_kv_heads], u % p.num_kv_heads, scratch);
+      attend<D, T>(p, tasks[u % num_tasks], u / num_tasks, scratch);
   };
   const int64_t threads = std::min<int64_t>(
       {static_cast<int64_t>(at::get_num_threads()), num_units, p.work / kMinWorkPerThread});
