@@ -54,15 +54,19 @@ def run_schedule(
     counter = CountingStack(stack.stack)
     stack.stack = counter
     model.decoder_stack = stack if use_stack else None
-    caches = allocate_kv_caches(loaded.arch, 32, BLOCK, cache_dtype, loaded.device)
+    longest = NATIVE_MAX_QUERY
+    seq_len = longest + 10
+    caches = allocate_kv_caches(
+        loaded.arch, 3 * -(-seq_len // BLOCK) + 1, BLOCK, cache_dtype, loaded.device
+    )
     native_op = paged_attention_op(loaded.device, loaded.dtype, loaded.arch.head_dim)
     gen = torch.Generator().manual_seed(0)
-    seqs = [Seq(torch.randint(100, 40000, (n,), generator=gen).tolist()) for n in (90, 70, 60)]
+    seqs = [Seq(torch.randint(100, 40000, (seq_len,), generator=gen).tolist()) for _ in range(3)]
     allocator = BlockAllocator(BLOCK)
     schedules = [
-        [(seqs[0], 50), (seqs[1], 40)],  # chunks longer than the kernel takes: modules
+        [(seqs[0], longest + 1), (seqs[1], 40)],  # a chunk longer than the kernel takes: modules
         [(seqs[0], 1), (seqs[1], 1), (seqs[2], 5)],
-        [(seqs[0], 1), (seqs[1], 3), (seqs[2], NATIVE_MAX_QUERY)],
+        [(seqs[0], 1), (seqs[1], 3), (seqs[2], longest)],
         [(seqs[0], 1)],
         [(seqs[0], 1), (seqs[1], 1), (seqs[2], 1)],
     ]
@@ -92,12 +96,13 @@ def test_stack_equals_the_modules_bit_for_bit(
 
 
 def test_serves_only_steps_the_native_kernel_takes_whole() -> None:
-    table = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
+    seq_len = NATIVE_MAX_QUERY + 8
+    table = torch.arange(1, -(-seq_len // BLOCK) + 1, dtype=torch.int32)[None]
     op = paged_attention_op(torch.device("cpu"), torch.float32, 64)
 
     def meta(query_len: int, native_op: Callable[..., None] | None = op) -> AttentionMetadata:
-        slots = torch.arange(40 - query_len, 40)
-        return AttentionMetadata.build([query_len], [40], table, slots, BLOCK, native_op)
+        slots = torch.arange(seq_len - query_len, seq_len)
+        return AttentionMetadata.build([query_len], [seq_len], table, slots, BLOCK, native_op)
 
     assert DecoderStack.serves(meta(1))
     assert DecoderStack.serves(meta(NATIVE_MAX_QUERY))

@@ -82,9 +82,12 @@ class DecodeGroup:
     mask: torch.Tensor  # bool [b, 1, 1, num_blocks * block_size]
 
 
-# Longest chunk the native kernel takes: it scores each query token against its
-# context separately, which beats gather + SDPA for short chunks only.
-NATIVE_MAX_QUERY = 32
+# Longest chunk the native kernel takes. It scores each query token against its
+# context separately: up to 512 new tokens that beats SDPA, even on a fresh
+# prompt SDPA takes without a gather, and a step's chunks go in one call instead
+# of one each (a 2,048-token step of 32-512-token prompts: 5.43 against 6.86 ms a
+# layer, benchmarks/attention_kernels.py); from about 1,024 SDPA's tiles win.
+NATIVE_MAX_QUERY = 512
 
 
 @dataclass

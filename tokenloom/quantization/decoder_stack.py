@@ -8,8 +8,8 @@ exactly what it runs (quantized projections without bias, full rotate-half RoPE,
 no q/k norms, sliding windows or soft-capping, SiLU MLP, native layer ops: the
 Llama, SmolLM and Mistral-without-window GGUFs) and the steps the native
 attention kernel takes whole (every request at most ``NATIVE_MAX_QUERY`` new
-tokens: decodes, speculative verification, short chunks); longer prefill chunks,
-where dispatch is a rounding error, run through the modules.
+tokens: decodes, speculative verification, prompt chunks up to 512 tokens);
+a step with a longer chunk runs through the modules.
 """
 
 from __future__ import annotations
