@@ -25,7 +25,7 @@ HUGE_PAGE_BYTES = 2 << 20
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype, device=device)``, on huge pages where it can be."""
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if (
         torch.device(device).type != "cpu"
         or nbytes < HUGE_PAGE_BYTES

@@ -20,8 +20,7 @@ from tokenloom.model.arch_config import ModelArchConfig
 
 def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, K and V together."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    per_layer = 2 * block_size * arch.num_key_value_heads * arch.head_dim * elem
+    per_layer = 2 * block_size * arch.num_key_value_heads * arch.head_dim * dtype.itemsize
     return per_layer * arch.num_hidden_layers
 
 

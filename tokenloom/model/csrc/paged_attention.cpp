@@ -286,7 +286,8 @@ constexpr int64_t kMinWorkPerThread = 1 << 18;
 template <int64_t D, typename T>
 void run(const Problem<T>& p) {
   const std::vector<Task>& tasks = *p.tasks;
-  const int64_t num_units = static_cast<int64_t>(tasks.size()) * p.num_kv_heads;
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t num_units = num_tasks * p.num_kv_heads;
   std::atomic<int64_t> next{0};
   const auto work = [&](int64_t, int64_t) {
     Scratch scratch;
@@ -295,7 +296,6 @@ void run(const Problem<T>& p) {
     scratch.q.resize(p.num_heads * D);
     scratch.scores.resize(p.num_heads * scratch.stride);
     scratch.tile.resize(D * kLanes);
-    const int64_t num_tasks = static_cast<int64_t>(tasks.size());
     for (int64_t u = next++; u < num_units; u = next++)
       attend<D, T>(p, tasks[u % num_tasks], u / num_tasks, scratch);
   };
