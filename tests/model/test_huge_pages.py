@@ -4,6 +4,7 @@ alive as long as any view of it, and plain ``torch.zeros`` where it cannot help.
 from __future__ import annotations
 
 import gc
+import mmap
 import sys
 from pathlib import Path
 
@@ -37,11 +38,20 @@ def test_zeros_are_zero_writable_and_the_requested_shape() -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="smaps is Linux's")
-def test_large_tensors_are_advised_huge_pages_and_small_ones_are_not() -> None:
+def test_large_tensors_are_advised_huge_pages() -> None:
     large = huge_pages.zeros((4 << 20,), torch.float32, "cpu")  # 16 MB
     assert "hg" in mapping_flags(large.data_ptr())
-    small = huge_pages.zeros((1024,), torch.float32, "cpu")
-    assert "hg" not in mapping_flags(small.data_ptr())
+
+
+def test_tensors_under_one_huge_page_are_left_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Not read off smaps: the heap a small malloc lands in may itself have been
+    # advised by the allocator, so only "no mapping of our own" is this module's.
+    def no_mapping(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a tensor under 2 MB got its own mapping")
+
+    monkeypatch.setattr(mmap, "mmap", no_mapping)
+    small = huge_pages.zeros((1024, 511), torch.float32, "cpu")  # 8 KB short of 2 MB
+    assert small.shape == (1024, 511) and not small.any()
 
 
 def test_the_memory_outlives_the_tensor_through_its_views() -> None:
