@@ -28,16 +28,24 @@ class FakeModelRunner:
 
 
 class DyingRunner(FakeModelRunner):
-    """Fails (like a crashed core) after ``steps_to_live`` steps; None: never."""
+    """Fails (like a crashed core) after ``steps_to_live`` steps; None: never. Steps
+    count from the one that brings its ``after_requests``-th request, so that a test
+    knows which requests the core held when it died, however slowly they arrived."""
 
-    def __init__(self, token: int, steps_to_live: int | None) -> None:
+    def __init__(self, token: int, steps_to_live: int | None, after_requests: int = 0) -> None:
         super().__init__(num_blocks=64, max_model_len=128, token=token)
         self.steps_to_live = steps_to_live
+        self.after_requests = after_requests
+        self.requests_seen: set[str] = set()
+        self.steps_lived = 0
 
     def execute_model(self, scheduler_output: Any) -> Any:
-        if self.steps_to_live is not None and len(self.calls) >= self.steps_to_live:
-            self.calls.append(scheduler_output)  # what it was asked to do when it died
-            raise RuntimeError("core crashed")
+        self.requests_seen.update(new.req_id for new in scheduler_output.scheduled_new_reqs)
+        if self.steps_to_live is not None and len(self.requests_seen) >= self.after_requests:
+            if self.steps_lived >= self.steps_to_live:
+                self.calls.append(scheduler_output)  # what it was asked to do when it died
+                raise RuntimeError("core crashed")
+            self.steps_lived += 1
         return super().execute_model(scheduler_output)
 
 

@@ -214,8 +214,10 @@ class Cluster:
         return stream(self.engine, request_id, max_tokens)
 
 
-def dying_core(token: int, steps_to_live: int | None) -> tuple[DyingRunner, AsyncInprocClient]:
-    runner = DyingRunner(token, steps_to_live)
+def dying_core(
+    token: int, steps_to_live: int | None, after_requests: int = 0
+) -> tuple[DyingRunner, AsyncInprocClient]:
+    runner = DyingRunner(token, steps_to_live, after_requests)
     core = EngineCore(runner, CacheConfig(block_size=4, num_blocks=64), SchedulerConfig())
     return runner, AsyncInprocClient(InprocClient(core))
 
