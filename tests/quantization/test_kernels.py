@@ -45,9 +45,9 @@ def quantized_activations(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What the kernel computes with: x rounded to int8 per ACT_GROUP columns
     (scale max|x| / 127, ties to even), as float64, and half a step per element.
-    For 8-bit weights a group is 8 consecutive columns; for 4-bit ones, columns
-    4i..4i+3 and 16+4i..16+4i+3 of each 32-column block (the two nibbles of the
-    kernel's int32 lane)."""
+    For 6- and 8-bit weights a group is 8 consecutive columns; for 4-bit ones,
+    columns 4i..4i+3 and 16+4i..16+4i+3 of each 32-column block (the two nibbles
+    of the kernel's int32 lane)."""
     rows, k = x.shape
     padded = torch.zeros(rows, k_pad)
     padded[:, :k] = x
@@ -119,7 +119,18 @@ def random_factors(
 
 @pytest.mark.parametrize(
     ("bits", "group", "with_mins"),
-    [(4, 32, True), (4, 32, False), (8, 32, False), (8, 32, True), (8, 16, False), (8, 16, True)],
+    [
+        (4, 32, True),
+        (4, 32, False),
+        (6, 32, True),
+        (6, 32, False),
+        (6, 16, True),
+        (6, 16, False),
+        (8, 32, False),
+        (8, 32, True),
+        (8, 16, False),
+        (8, 16, True),
+    ],
 )
 @pytest.mark.parametrize("form", ["float32", "float16", "coded"])
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 45), (37, 96), (70, 200)])
@@ -127,21 +138,24 @@ def random_factors(
 def test_every_layout_on_odd_shapes(
     bits: int, group: int, with_mins: bool, form: str, n: int, k: int, rows: int
 ) -> None:
-    """Random codes over the full range (int8 -128..127, nibbles 0..15), zero
-    padding past K, random scales and mins in each stored form; x has some
-    all-zero blocks."""
+    """Random codes over the full range (int8 -128..127, 4 bits 0..15, 6 bits
+    0..63), zero padding past K, random scales and mins in each stored form; x
+    has some all-zero blocks."""
     gen = torch.Generator().manual_seed(n * k + rows + bits + group)
     k_pad = -(-k // 32) * 32
-    if bits == 4:
-        qweight = torch.randint(0, 256, (n, k_pad // 2), generator=gen, dtype=torch.uint8)
-    else:
+    qhigh = None
+    if bits == 8:
         qweight = torch.randint(-128, 128, (n, k_pad), generator=gen, dtype=torch.int8)
+    else:
+        qweight = torch.randint(0, 256, (n, k_pad // 2), generator=gen, dtype=torch.uint8)
+    if bits == 6:
+        qhigh = torch.randint(0, 256, (n, k_pad // 4), generator=gen, dtype=torch.uint8)
     scales = random_factors(n, k_pad // group, form, 0.02, gen)
     mins = None
     if with_mins:
         mins = random_factors(n, k_pad // group, form, 0.1, gen)
         mins.base = -mins.base
-    weight = QuantizedWeight(bits, group, k, qweight, scales, mins)
+    weight = QuantizedWeight(bits, group, k, qweight, scales, mins, qhigh)
     x = torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 10
     x[::3, :32] = 0
     check_native(x, weight)
@@ -178,16 +192,46 @@ def test_q4_0_min_is_a_constant_code_on_the_shared_scale() -> None:
     )
 
 
-def test_mixed_layouts_concatenate_exactly() -> None:
-    """Q4_K_M files mix types inside a fused projection (q/k in Q4_K, v in Q6_K)."""
+@pytest.mark.parametrize(
+    ("types", "layout"),
+    [
+        ([T.Q4_K, T.Q4_K, T.Q6_K], (6, 16)),  # Q4_K_M's q, k and v
+        ([T.Q4_0, T.Q5_K], (6, 32)),
+        ([T.Q6_K, T.Q6_K], (6, 16)),
+        ([T.Q4_K, T.Q8_0, T.Q6_K], (8, 16)),
+    ],
+    ids=["q4k-q6k", "q4_0-q5k", "q6k-q6k", "q4k-q8_0-q6k"],
+)
+def test_mixed_layouts_concatenate_exactly(types: list[T], layout: tuple[int, int]) -> None:
+    """Q4_K_M files mix types inside a fused projection (q/k in Q4_K, v in Q6_K):
+    they join in the narrowest layout that holds every part exactly."""
     parts = [
         from_gguf(random_gguf(t, n, 256, seed=i), t, (n, 256))
-        for i, (t, n) in enumerate([(T.Q4_K, 5), (T.Q8_0, 3), (T.Q6_K, 4)])
+        for i, (t, n) in enumerate(zip(types, [5, 3, 4], strict=False))
     ]
     fused = concat_rows(parts)
-    assert (fused.bits, fused.group) == (8, 16)
+    assert (fused.bits, fused.group) == layout
     torch.testing.assert_close(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
     check_native(torch.randn(2, 256), fused)
+
+
+# Bits per weight: 6-bit codes, int8 scale (and min) codes per group, fp16 bases
+# per 256 columns. Q6_K's file: 6.5625; Q5_K's: 5.5 (int8 would make it 8.625).
+@pytest.mark.parametrize(
+    ("ggml_type", "layout_bits"),
+    [(T.Q6_K, 6 + 8 / 16 + 16 / 256), (T.Q5_K, 6 + 16 / 32 + 32 / 256)],
+)
+def test_six_bit_layout_costs_what_the_file_does(ggml_type: T, layout_bits: float) -> None:
+    """Q6_K in 6 bits costs its file's size: its min, -32 times the scale, is a
+    constant code on the scale's base and codes, with no memory of its own."""
+    n, k = 16, 512
+    weight = from_gguf(random_gguf(ggml_type, n, k, seed=1), ggml_type, (n, k))
+    assert weight.bits == 6 and weight.qhigh is not None
+    if ggml_type == T.Q6_K:
+        assert weight.mins is not None and weight.mins.multiplier == -32.0
+        assert weight.mins.base is weight.scales.base and weight.mins.codes is weight.scales.codes
+    assert weight.nbytes * 8 / (n * k) == layout_bits
+    assert PanelWeight.from_rows(weight).nbytes == weight.nbytes  # 16 rows: no padding
 
 
 def test_embedding_gather_dequantizes_only_requested_rows() -> None:
@@ -206,6 +250,11 @@ def test_panel_layout_interleaves_rows_and_keeps_sharing(ggml_type: T) -> None:
     assert panels.qweight.shape == (3, words.shape[1], PANEL, 4)
     assert torch.equal(panels.qweight[2, 5, 4], words[36, 5])
     assert not panels.qweight[2, :, 5:].any()
+    if ggml_type == T.Q6_K:
+        assert rows.qhigh is not None and panels.qhigh is not None
+        high = rows.qhigh.view(n, -1, 4)
+        assert panels.qhigh.shape == (3, words.shape[1] // 2, PANEL, 4)
+        assert torch.equal(panels.qhigh[2, 3, 4], high[36, 3])
     assert panels.scales.base.shape[::2] == (3, PANEL)
     if ggml_type == T.Q4_0:
         assert panels.mins is not None and panels.mins.base is panels.scales.base

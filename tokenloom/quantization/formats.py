@@ -1,22 +1,28 @@
 """Quantized weight layouts (row-major; ``panels.py`` transposes them for the kernel),
 and conversion into them.
 
-Every supported GGUF type is repacked at load time into one of two layouts that
-reproduce its dequantized weights exactly (``w = scale * q + min`` per group of
-columns):
+Every supported GGUF type is repacked at load time into one of three layouts
+that reproduce its dequantized weights exactly (``w = scale * q + min`` per
+group of columns):
 
 - 4-bit: q in 0..15, two per byte (byte j of a 32-column block holds column j
   in its low nibble and column j + 16 in its high one), a scale and a min per
   32 columns. Q4_0 (min = -8 scale), Q4_1 and Q4_K land here.
+- 6-bit: q in 0..63; its low four bits two per byte (byte j of each 8 columns
+  holds column j low and j + 4 high), its top two in a plane of their own
+  (``qhigh``, 2 bits a column, see ``pack_codes``), a scale and a min per
+  ``group`` (16 or 32) columns. Q5_K (q in 0..31, group 32) and Q6_K (min =
+  -32 scale, group 16) land here.
 - 8-bit: one int8 per column, a scale per ``group`` (16 or 32) columns and
-  optionally a min. Q8_0 (group 32, no min), Q5_K (q in 0..31, group 32 with
-  min) and Q6_K (q - 32, group 16, no min) land here.
+  optionally a min. Q8_0 (group 32, no min) lands here, and fused matrices that
+  mix it with other types.
 
 Scales and mins (``GroupFactors``) are kept as the file stores them: fp16 per
 group (Q4_0, Q4_1, Q8_0), or an fp16 base per 256-column super-block times an
 int8 code per group (K-quants: ``d * sc`` and ``-dmin * m``), so the layouts
 cost what the file does plus the codes' unpacking (Q4_K: 4.6 bits per weight
-against the file's 4.5; Q6_K, widened to int8: 8.6 against 6.6).
+against the file's 4.5; Q6_K: 6.6, as in the file; Q5_K, in 6 bits: 6.6 against
+5.5).
 
 ``quantize_float`` makes the same layouts from float weights (``int4``:
 asymmetric 4-bit per 32 columns; ``int8``: symmetric 8-bit per 32 columns) for
@@ -93,10 +99,14 @@ def _factors(values: np.ndarray | torch.Tensor) -> GroupFactors:
 
 
 def held_tensors(
-    qweight: torch.Tensor, scales: GroupFactors, mins: GroupFactors | None
+    qweight: torch.Tensor,
+    qhigh: torch.Tensor | None,
+    scales: GroupFactors,
+    mins: GroupFactors | None,
 ) -> list[torch.Tensor]:
-    """Every tensor of a weight, each once (Q4_0's mins share the scales' base)."""
-    found = [qweight, scales.base, scales.codes]
+    """Every tensor of a weight, each once (Q4_0's and Q6_K's mins share the
+    scales' base, Q6_K's its codes too)."""
+    found = [qweight, qhigh, scales.base, scales.codes]
     if mins is not None:
         found += [mins.base, mins.codes]
     return list({id(t): t for t in found if t is not None}.values())
@@ -106,19 +116,20 @@ def held_tensors(
 class QuantizedWeight:
     """A [out_features, in_features] matrix in one of the layouts above."""
 
-    bits: int  # 4 or 8
-    group: int  # columns per scale: 32, or 16 (8-bit only)
+    bits: int  # 4, 6 or 8
+    group: int  # columns per scale: 32, or 16 (6- and 8-bit)
     in_features: int
-    qweight: torch.Tensor  # uint8 [N, K_pad / 2] (4-bit) or int8 [N, K_pad]
+    qweight: torch.Tensor  # uint8 [N, K_pad / 2] (4- and 6-bit) or int8 [N, K_pad]
     scales: GroupFactors
     mins: GroupFactors | None  # None: zero
+    qhigh: torch.Tensor | None = None  # 6-bit: uint8 [N, K_pad / 4], the top 2 bits
 
     @property
     def out_features(self) -> int:
         return int(self.qweight.shape[0])
 
     def tensors(self) -> list[torch.Tensor]:
-        return held_tensors(self.qweight, self.scales, self.mins)
+        return held_tensors(self.qweight, self.qhigh, self.scales, self.mins)
 
     @property
     def nbytes(self) -> int:
@@ -144,7 +155,13 @@ class QuantizedWeight:
         assert qweight is not None
         mins = None if self.mins is None else factors(self.mins)
         return QuantizedWeight(
-            self.bits, self.group, self.in_features, qweight, factors(self.scales), mins
+            self.bits,
+            self.group,
+            self.in_features,
+            qweight,
+            factors(self.scales),
+            mins,
+            apply(self.qhigh),
         )
 
     def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -152,9 +169,16 @@ class QuantizedWeight:
         q = self.qweight if rows is None else self.qweight[rows]
         if self.bits == 8:
             return q.float()
-        blocks = q.view(q.shape[0], -1, 1, 16)
-        nibbles = torch.cat((blocks & 15, blocks >> 4), dim=2)
-        return nibbles.reshape(q.shape[0], -1).float()
+        n = q.shape[0]
+        if self.bits == 4:  # byte j of a 32-column block: columns j and j + 16
+            blocks = q.view(n, -1, 1, 16)
+            return torch.cat((blocks & 15, blocks >> 4), dim=2).reshape(n, -1).float()
+        words = q.view(n, -1, 1, 4)  # byte j of a word: columns j and j + 4 of its 8
+        nibbles = torch.cat((words & 15, words >> 4), dim=2)
+        assert self.qhigh is not None
+        high = (self.qhigh if rows is None else self.qhigh[rows]).view(n, -1, 1, 4)
+        top = (high >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
+        return (nibbles | (top.view(nibbles.shape) << 4)).reshape(n, -1).float()
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 weights [N (or len(rows)), in_features]: the reference the
@@ -166,19 +190,38 @@ class QuantizedWeight:
         return w.reshape(codes.shape[0], -1)[:, : self.in_features]
 
 
+def pack_codes(q: np.ndarray, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Codes [N, K_pad] (0..15 for 4 bits, 0..63 for 6, int8 range for 8) as the
+    layout's qweight and, 6 bits, qhigh."""
+    n = q.shape[0]
+    if bits == 8:
+        return torch.from_numpy(np.ascontiguousarray(q.astype(np.int8))), None
+    codes = q.astype(np.uint8)
+    if bits == 4:
+        halves = codes.reshape(n, -1, 2, 16)  # byte j: columns j and j + 16 of a block
+        return torch.from_numpy(_nibbles(halves).reshape(n, -1)), None
+    halves = codes.reshape(n, -1, 2, 4)  # byte j of a word: columns j and j + 4 of its 8
+    top = (codes >> 4).reshape(n, -1, 4, 4)  # [n, word pairs, word * 2 + half, byte]
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    qhigh = np.bitwise_or.reduce(top << shifts, axis=2)
+    return (
+        torch.from_numpy(_nibbles(halves).reshape(n, -1)),
+        torch.from_numpy(np.ascontiguousarray(qhigh.reshape(n, -1))),
+    )
+
+
+def _nibbles(halves: np.ndarray) -> np.ndarray:
+    """[..., 2, B] codes -> [..., B] bytes: the first half low, the second high."""
+    low = halves[..., 0, :] & 15
+    return np.ascontiguousarray(low | ((halves[..., 1, :] & 15) << 4))
+
+
 def _pack(
     q: np.ndarray, scales: GroupFactors, mins: GroupFactors | None, group: int, bits: int, k: int
 ) -> QuantizedWeight:
-    """Codes [N, K_pad] (0..15 for 4 bits, int8 range for 8) and their factors
-    into a QuantizedWeight."""
-    n = q.shape[0]
-    if bits == 4:
-        blocks = q.astype(np.uint8).reshape(n, -1, 2, 16)
-        packed = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 0] | (blocks[:, :, 1] << 4)))
-        qweight = packed.reshape(n, -1)
-    else:
-        qweight = torch.from_numpy(np.ascontiguousarray(q.astype(np.int8)))
-    return QuantizedWeight(bits, group, k, qweight, scales, mins)
+    """Codes [N, K_pad] and their factors into a QuantizedWeight."""
+    qweight, qhigh = pack_codes(q, bits)
+    return QuantizedWeight(bits, group, k, qweight, scales, mins, qhigh)
 
 
 def _f16(blocks: np.ndarray, start: int) -> torch.Tensor:
@@ -224,7 +267,7 @@ def from_gguf(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...]) -> Quantize
             qh = blocks[..., 16:48].reshape(n, -1, 1, 32)
             high = (qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1
             q = q | (high << 4)
-            bits = 8
+            bits = 6
         scales = GroupFactors(_f16(blocks, 0), _int8(sc, n))
         mins = GroupFactors(-_f16(blocks, 2), _int8(mn, n))
         return _pack(q.reshape(n, k), scales, mins, 32, bits, k)
@@ -233,9 +276,9 @@ def from_gguf(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...]) -> Quantize
         qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32)
         low = ((ql >> shift[:, None]) & 15).reshape(n, -1, 2, 4, 32)
         high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3
-        codes = (low | (high << 4)).astype(np.int16) - 32
         scales = GroupFactors(_f16(blocks, 208), _int8(blocks[..., 192:208].view(np.int8), n))
-        return _pack(codes.reshape(n, k), scales, None, 16, 8, k)
+        mins = GroupFactors(scales.base, scales.codes, multiplier=-32.0)  # q - 32, exactly
+        return _pack((low | (high << 4)).reshape(n, k), scales, mins, 16, 6, k)
     raise ValueError(f"GGUF type {ggml_type.name} has no quantized layout")
 
 
@@ -274,7 +317,7 @@ def _join(factors: list[GroupFactors]) -> GroupFactors:
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Stack matrices with the same columns (fused q/k/v or gate/up) into one,
-    widening mixed layouts to the one that holds them all exactly (4 -> 8 bits,
+    widening mixed layouts to the one that holds them all exactly (4 -> 6 -> 8 bits,
     group 32 -> 16, no min -> zero min)."""
     if len(parts) == 1:
         return parts[0]
@@ -289,15 +332,21 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
             for p, s in zip(parts, scales, strict=True)
         ]
         joined_mins = _join(mins)
+        # Q4_0's -8 d keeps sharing d; Q6_K's -32 d sc keeps sharing d and sc.
         if all(m.base is s.base for m, s in zip(mins, scales, strict=True)):
-            joined_mins.base = joined_scales.base  # Q4_0's -8 d keeps sharing d
+            joined_mins.base = joined_scales.base
+        if all(m.codes is s.codes is not None for m, s in zip(mins, scales, strict=True)):
+            joined_mins.codes = joined_scales.codes
+    layouts = [
+        (p.qweight, p.qhigh) if p.bits == bits else pack_codes(p.codes().numpy(), bits)
+        for p in parts
+    ]
     return QuantizedWeight(
         bits=bits,
         group=group,
         in_features=parts[0].in_features,
-        qweight=torch.cat(
-            [p.qweight if p.bits == bits else p.codes().to(torch.int8) for p in parts]
-        ),
+        qweight=torch.cat([qweight for qweight, _ in layouts]),
         scales=joined_scales,
         mins=joined_mins,
+        qhigh=None if bits != 6 else torch.cat([h for _, h in layouts if h is not None]),
     )

@@ -6,7 +6,8 @@ outer products (each int32 lane an output row), the same loop for every batch
 size, so a row's result does not depend on the rows beside it (see
 ``csrc/quant_linear.cpp``). Converting is a transpose of the row-major layout
 (``formats.py``), done once at load: a [N, bytes] matrix becomes [N_pad / 16,
-bytes / 4, 16, 4], and each [N, G] factor [N_pad / 16, G, 16], rows past N zero.
+bytes / 4, 16, 4] (the 6-bit layout's high plane likewise), and each [N, G]
+factor [N_pad / 16, G, 16], rows past N zero.
 """
 
 from __future__ import annotations
@@ -45,17 +46,19 @@ class PanelWeight:
     group: int
     in_features: int
     out_features: int
-    qweight: torch.Tensor  # [panels, words, PANEL, 4], uint8 (4-bit) or int8
+    qweight: torch.Tensor  # [panels, words, PANEL, 4], uint8 (4-, 6-bit) or int8
     scales: GroupFactors  # base [panels, G / per, PANEL], codes [panels, G, PANEL]
     mins: GroupFactors | None
+    qhigh: torch.Tensor | None = None  # 6-bit: [panels, words / 2, PANEL, 4] uint8
 
     @classmethod
     def from_rows(cls, weight: QuantizedWeight) -> PanelWeight:
-        """The panel layout of ``weight`` (Q4_0's mins keep sharing its scales' base)."""
+        """The panel layout of ``weight`` (shared factors stay shared)."""
         n = weight.out_features
 
         def convert(t: torch.Tensor) -> torch.Tensor:
-            return _to_panels(t.view(n, -1, _WORD) if t is weight.qweight else t)
+            packed = t is weight.qweight or t is weight.qhigh
+            return _to_panels(t.view(n, -1, _WORD) if packed else t)
 
         panels = weight.map_tensors(convert)
         return cls(
@@ -66,6 +69,7 @@ class PanelWeight:
             panels.qweight,
             panels.scales,
             panels.mins,
+            panels.qhigh,
         )
 
     def rows(self, rows: torch.Tensor | None = None) -> QuantizedWeight:
@@ -76,14 +80,18 @@ class PanelWeight:
             codes = None if f.codes is None else _from_panels(f.codes, n, rows)
             return GroupFactors(_from_panels(f.base, n, rows), codes, f.multiplier)
 
-        q = _from_panels(self.qweight, n, rows)
+        def packed(t: torch.Tensor) -> torch.Tensor:
+            rows_of_t = _from_panels(t, n, rows)
+            return rows_of_t.reshape(rows_of_t.shape[0], -1)
+
         return QuantizedWeight(
             self.bits,
             self.group,
             self.in_features,
-            q.reshape(q.shape[0], -1),
+            packed(self.qweight),
             factors(self.scales),
             None if self.mins is None else factors(self.mins),
+            None if self.qhigh is None else packed(self.qhigh),
         )
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,7 +99,7 @@ class PanelWeight:
         return self.rows(rows).dequantize()
 
     def tensors(self) -> list[torch.Tensor]:
-        return held_tensors(self.qweight, self.scales, self.mins)
+        return held_tensors(self.qweight, self.qhigh, self.scales, self.mins)
 
     @property
     def nbytes(self) -> int:
@@ -102,6 +110,7 @@ class PanelWeight:
         mins = self.mins
         return (
             self.qweight,
+            self.qhigh,
             self.scales.base,
             self.scales.codes,
             None if mins is None else mins.base,

@@ -11,13 +11,20 @@
 //   bits 4: a row's 16 bytes per 32 columns hold column j (low nibble) and
 //           j + 16 (high nibble) in byte j; word t of a row thus holds columns
 //           4i..4i+3 and 16+4i..16+4i+3 of block t / 4 (i = t % 4).
+//   bits 6: word t of a row holds columns 8t..8t+3 (low nibbles) and
+//           8t+4..8t+7 (high nibbles), the low four bits of their codes; the
+//           top two lie in a plane of their own (qhigh [panels, words / 2, 16,
+//           4]), whose word s holds them for words 2s and 2s + 1: byte j's bits
+//           0-1, 2-3, 4-5 and 6-7 those of byte j's low nibble in word 2s, its
+//           high nibble, and the same in word 2s + 1. Shifted to bits 4-5 of
+//           each byte and or-ed in, they make every byte a 6-bit code.
 //   bits 8: one int8 per column; words 2t and 2t + 1 are columns 8t..8t+7.
-// w = scale * q + min, per group of 32 (or, 8 bits, 16) columns. Scales and mins
+// w = scale * q + min, per group of 32 (or, 6 and 8 bits, 16) columns. Scales and mins
 // arrive as the file keeps them (Factors): fp16 or fp32 per group, or an fp16
 // base per super-block times an int8 code per group.
 //
 // Activations are quantized per row and per 8 columns (activation group t, the
-// columns of word t for 4 bits and of words 2t, 2t+1 for 8 bits): xs = max|x| /
+// columns of word t for 4 and 6 bits and of words 2t, 2t+1 for 8 bits): xs = max|x| /
 // 127, xq = round(x / xs), ties to even. For each output row n, activation row m
 // and weight group g, in this order,
 //   gsum  = sum over t in g of float(dot8(q[n, t], xq[m, t])) * xs[m, t]
@@ -34,7 +41,7 @@
 // with the requests served beside it). The dot products are `vpdpbusd` (u8 x
 // s8 -> s32) on AVX-512 VNNI or AVX-VNNI, or `vpmaddubsw` + `vpmaddwd` on AVX2,
 // chosen at compile time (the build is -march=native). Codes are the unsigned
-// side: 4-bit codes as they are; signed 8-bit codes with VNNI as q + 128, the
+// side: 4- and 6-bit codes as they are; signed 8-bit codes with VNNI as q + 128, the
 // -128 * scale that adds joining the min term; without VNNI as |q| against
 // sign(xq, q). Without AVX2 the build fails and kernels.py falls back to
 // dequantizing.
@@ -85,6 +92,16 @@ inline ivec_t high_nibbles(ivec_t v) {
   return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
 }
 inline ivec_t flip_sign_bits(ivec_t v) { return _mm512_xor_si512(v, _mm512_set1_epi8(-128)); }
+template <int Shift>  // > 0: left
+inline ivec_t shift16(ivec_t v) {
+  if constexpr (Shift > 0) return _mm512_slli_epi16(v, Shift);
+  if constexpr (Shift < 0) return _mm512_srli_epi16(v, -Shift);
+  return v;
+}
+// nibbles | (high & 0x30) per byte, in one vpternlogd.
+inline ivec_t with_top_bits(ivec_t nibbles, ivec_t high) {
+  return _mm512_ternarylogic_epi32(nibbles, high, _mm512_set1_epi8(0x30), 0xF8);
+}
 inline fvec_t load_halfs(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -120,8 +137,8 @@ inline ivec_t dpbusd(ivec_t acc, ivec_t u, ivec_t s) {
 #if TL_VNNI
   return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-  // u8 x s8 pairs: 4-bit codes (at most 2 * 15 * 128) and |q| (below) cannot
-  // saturate vpmaddubsw's int16.
+  // u8 x s8 pairs: 4- and 6-bit codes (at most 2 * 63 * 128) and |q| (below)
+  // cannot saturate vpmaddubsw's int16.
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
@@ -130,6 +147,15 @@ inline ivec_t high_nibbles(ivec_t v) {
   return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
 }
 inline ivec_t flip_sign_bits(ivec_t v) { return _mm256_xor_si256(v, _mm256_set1_epi8(-128)); }
+template <int Shift>  // > 0: left
+inline ivec_t shift16(ivec_t v) {
+  if constexpr (Shift > 0) return _mm256_slli_epi16(v, Shift);
+  if constexpr (Shift < 0) return _mm256_srli_epi16(v, -Shift);
+  return v;
+}
+inline ivec_t with_top_bits(ivec_t nibbles, ivec_t high) {
+  return _mm256_or_si256(nibbles, _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
+}
 inline fvec_t load_halfs(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -201,11 +227,23 @@ struct QuantWeight {
   int64_t words;  // per row
   int64_t groups;
   const uint8_t* q;
+  const uint8_t* high;  // 6 bits: the top two bits' plane; else nullptr
   Factors scales;
   Factors mins;  // empty: no offsets
+  // Q4_0's min (-8 d) and Q6_K's (-32 d sc) are a constant times the scale, on
+  // the scale's own tensors: one multiply instead of loading them again, which
+  // with groups of 16 took a sixth of a batch-1 Q6_K matmul.
+  bool min_from_scale = false;
+  float min_per_scale = 0.0f;
 
   // Whether the min term runs: mins, or the -128 of shifted 8-bit codes.
   bool min_term() const { return mins || (bits == 8 && kShiftedCodes8); }
+
+  __attribute__((always_inline)) fvec_t load_mins(fvec_t scale, int64_t p, int64_t lane,
+                                                  int64_t g) const {
+    if (min_from_scale) return mul(scale, set1_f(min_per_scale));
+    return mins ? mins.load(p, lane, g) : zero_f();
+  }
 };
 
 typedef int8_t bvec __attribute__((vector_size(kLanes)));
@@ -258,7 +296,7 @@ struct QuantActs {
 
   // Row m: 32 columns at a time for 4 bits (Halves = 2: both halves of a block
   // side by side, so activation group i is float lanes 4i..4i+3 of each), 16
-  // for 8 bits (Halves = 1: groups of 8 consecutive lanes). Vectorised: scalar,
+  // for 6 and 8 bits (Halves = 1: groups of 8 consecutive lanes). Vectorised: scalar,
   // it took a third of a 128-row down projection.
   template <int Halves>
   void quantize_row(const float* x, int64_t cols, int64_t m, const QuantWeight& w) {
@@ -295,7 +333,7 @@ struct QuantActs {
       const int64_t first = c0 / kActGroup;
       for (int64_t i = 0; i < kLanes / Run; ++i) {
         // 4 bits: the group's low-nibble columns, then its high-nibble ones;
-        // 8 bits: its first four columns, then its last four.
+        // 6 and 8 bits: its first four columns, then its last four.
         int32_t* word = row_words + (first + i) * kTileM * 2;
         const int8_t* codes = reinterpret_cast<const int8_t*>(q8);
         if (Halves == 2) {
@@ -319,6 +357,8 @@ void panel_tile(const QuantWeight& w, const QuantActs& a, int64_t p, int64_t lan
   const int64_t per_group = w.group / kActGroup;
   const int64_t word_step = kPanel * kWordBytes;  // one word of the panel's 16 rows
   const uint8_t* q = w.q + p * w.words * word_step + lane * kWordBytes;
+  const uint8_t* high =
+      Bits == 6 ? w.high + p * (w.words / 2) * word_step + lane * kWordBytes : nullptr;
   const int64_t tile = m0 / kTileM;
   const int32_t* words = a.words.get() + tile * a.act_groups * kTileM * 2;
   const float* xs = a.scales.get() + tile * a.act_groups * kTileM;
@@ -333,46 +373,65 @@ void panel_tile(const QuantWeight& w, const QuantActs& a, int64_t p, int64_t lan
   for (int64_t g = 0; g < w.groups; ++g) {
     fvec_t gsum[MR];
     for (auto& v : gsum) v = zero_f();
-    for (int64_t t = g * per_group; t < (g + 1) * per_group; ++t) {
-      ivec_t first, second;
-      // A panel's words are contiguous, and the next panel follows: ahead of
-      // the last words lie the next panel's first (a prefetch never faults).
-      const uint8_t* ahead = q + t * word_step * (Bits / 4) + kPrefetchBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
-      if (Bits == 8) _mm_prefetch(reinterpret_cast<const char*>(ahead + word_step), _MM_HINT_T0);
-      if (Bits == 4) {
-        const ivec_t v = load_i(q + t * word_step);
-        first = low_nibbles(v);
-        second = high_nibbles(v);
-      } else {
-        first = load_i(q + 2 * t * word_step);
-        second = load_i(q + (2 * t + 1) * word_step);
-        if (kShiftedCodes8) {
-          first = flip_sign_bits(first);
-          second = flip_sign_bits(second);
-        }
+    // Words in pairs (a group has an even number): the 6-bit plane's word
+    // serves both.
+    for (int64_t pair = g * per_group / 2; pair < (g + 1) * per_group / 2; ++pair) {
+      ivec_t high_pair{};
+      if (Bits == 6) {
+        high_pair = load_i(high + pair * word_step);
+        const uint8_t* high_ahead = high + pair * word_step + kPrefetchBytes / 2;
+        _mm_prefetch(reinterpret_cast<const char*>(high_ahead), _MM_HINT_T0);
       }
-      const int32_t* wt = words + t * kTileM * 2;
-      const float* st = xs + t * kTileM;
-      for (int r = 0; r < MR; ++r) {
-        const ivec_t x0 = set1_i(wt[2 * r]), x1 = set1_i(wt[2 * r + 1]);
-        ivec_t dot;
-#if !TL_VNNI
-        if (Bits == 8) {
-          dot = dpbusd(dpbusd(biased, _mm256_abs_epi8(first), _mm256_sign_epi8(x0, first)),
-                       _mm256_abs_epi8(second), _mm256_sign_epi8(x1, second));
-        } else
-#endif
-        {
-          dot = dpbusd(dpbusd(biased, first, x0), second, x1);
+#pragma GCC unroll 2
+      for (int odd = 0; odd < 2; ++odd) {
+        const int64_t t = 2 * pair + odd;
+        ivec_t first, second;
+        // A panel's words are contiguous, and the next panel follows: ahead of
+        // the last words lie the next panel's first (a prefetch never faults).
+        const uint8_t* ahead = q + t * word_step * (Bits == 8 ? 2 : 1) + kPrefetchBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+        if (Bits == 8) _mm_prefetch(reinterpret_cast<const char*>(ahead + word_step), _MM_HINT_T0);
+        if (Bits != 8) {
+          const ivec_t v = load_i(q + t * word_step);
+          first = low_nibbles(v);
+          second = high_nibbles(v);
+          if (Bits == 6 && odd == 0) {
+            first = with_top_bits(first, shift16<4>(high_pair));
+            second = with_top_bits(second, shift16<2>(high_pair));
+          } else if (Bits == 6) {
+            first = with_top_bits(first, high_pair);
+            second = with_top_bits(second, shift16<-2>(high_pair));
+          }
+        } else {
+          first = load_i(q + 2 * t * word_step);
+          second = load_i(q + (2 * t + 1) * word_step);
+          if (kShiftedCodes8) {
+            first = flip_sign_bits(first);
+            second = flip_sign_bits(second);
+          }
         }
-        gsum[r] = fma(sub(as_float(dot), bias), set1_f(st[r]), gsum[r]);
+        const int32_t* wt = words + t * kTileM * 2;
+        const float* st = xs + t * kTileM;
+        for (int r = 0; r < MR; ++r) {
+          const ivec_t x0 = set1_i(wt[2 * r]), x1 = set1_i(wt[2 * r + 1]);
+          ivec_t dot;
+#if !TL_VNNI
+          if (Bits == 8) {
+            dot = dpbusd(dpbusd(biased, _mm256_abs_epi8(first), _mm256_sign_epi8(x0, first)),
+                         _mm256_abs_epi8(second), _mm256_sign_epi8(x1, second));
+          } else
+#endif
+          {
+            dot = dpbusd(dpbusd(biased, first, x0), second, x1);
+          }
+          gsum[r] = fma(sub(as_float(dot), bias), set1_f(st[r]), gsum[r]);
+        }
       }
     }
     const fvec_t scale = w.scales.load(p, lane, g);
     for (int r = 0; r < MR; ++r) acc[r] = fma(gsum[r], scale, acc[r]);
     if (w.min_term()) {
-      fvec_t mins = w.mins ? w.mins.load(p, lane, g) : zero_f();
+      fvec_t mins = w.load_mins(scale, p, lane, g);
       if (Bits == 8 && kShiftedCodes8) mins = fma(set1_f(-128.0f), scale, mins);
       for (int r = 0; r < MR; ++r) {
         acc[r] = fma(mins, set1_f(a.sums[(m0 + r) * a.groups + g]), acc[r]);
@@ -403,7 +462,7 @@ constexpr int64_t kBlockBytes = 256 << 10;
 template <int Bits>
 void panel_gemm(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t n_out,
                 float* out) {
-  const int64_t panel_bytes = w.words * kPanel * kWordBytes;
+  const int64_t panel_bytes = w.words * kPanel * kWordBytes * (Bits == 6 ? 3 : 2) / 2;
   const int64_t tile_bytes = a.act_groups * kTileM * (2 * sizeof(int32_t) + sizeof(float));
   const int64_t block_panels = std::max<int64_t>(1, kBlockBytes / panel_bytes);
   const int64_t block_rows = kTileM * std::max<int64_t>(1, kBlockBytes / tile_bytes);
@@ -471,35 +530,48 @@ struct QuantMatrix::Layout {
   int64_t n_out;
 };
 
-QuantMatrix::QuantMatrix(const at::Tensor& qweight, const at::Tensor& scale_base,
+QuantMatrix::QuantMatrix(const at::Tensor& qweight, const std::optional<at::Tensor>& qhigh,
+                         const at::Tensor& scale_base,
                          const std::optional<at::Tensor>& scale_codes,
                          const std::optional<at::Tensor>& min_base,
                          const std::optional<at::Tensor>& min_codes, double min_multiplier,
                          int64_t bits, int64_t group, int64_t n_out) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(group == 32 || (bits == 8 && group == 16),
-              "group must be 32, or 16 for 8-bit codes");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8");
+  TORCH_CHECK(group == 32 || (bits != 4 && group == 16),
+              "group must be 32, or 16 for 6- and 8-bit codes");
   TORCH_CHECK(qweight.is_contiguous() && qweight.dim() == 4 && qweight.size(2) == kPanel &&
                   qweight.size(3) == kWordBytes && qweight.element_size() == 1,
               "weights must be contiguous bytes [panels, words, 16, 4]");
   const int64_t panels = qweight.size(0);
   TORCH_CHECK(n_out > (panels - 1) * kPanel && n_out <= panels * kPanel,
               "n_out does not match the weight's panels");
+  TORCH_CHECK(qhigh.has_value() == (bits == 6), "6-bit weights, and only they, take qhigh");
+  if (qhigh.has_value()) {
+    TORCH_CHECK(qhigh->is_contiguous() && qhigh->element_size() == 1 &&
+                    qhigh->sizes() == at::IntArrayRef({panels, qweight.size(1) / 2, kPanel,
+                                                       kWordBytes}),
+                "qhigh must be contiguous bytes [panels, words / 2, 16, 4]");
+  }
   const int64_t row_bytes = qweight.size(1) * kWordBytes;
-  const int64_t k_pad = bits == 4 ? row_bytes * 2 : row_bytes;
+  const int64_t k_pad = bits == 8 ? row_bytes : row_bytes * 2;
   TORCH_CHECK(k_pad % kBlock == 0, "a weight row must be whole blocks of 32 columns");
   const int64_t groups = k_pad / group;
   std::vector<at::Tensor> held{qweight, scale_base};
-  for (const auto* t : {&scale_codes, &min_base, &min_codes}) {
+  for (const auto* t : {&qhigh, &scale_codes, &min_base, &min_codes}) {
     if (t->has_value()) held.push_back(**t);
   }
-  layout_ = std::make_shared<const Layout>(Layout{
-      std::move(held),
-      QuantWeight{bits, group, k_pad, qweight.size(1), groups,
-                  reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
-                  factors(scale_base, scale_codes, panels, groups, "scale"),
-                  factors(min_base, min_codes, panels, groups, "min", min_multiplier)},
-      n_out});
+  QuantWeight weight{bits, group, k_pad, qweight.size(1), groups,
+                     reinterpret_cast<const uint8_t*>(qweight.data_ptr()),
+                     qhigh.has_value() ? reinterpret_cast<const uint8_t*>(qhigh->data_ptr())
+                                       : nullptr,
+                     factors(scale_base, scale_codes, panels, groups, "scale"),
+                     factors(min_base, min_codes, panels, groups, "min", min_multiplier)};
+  const Factors &scales = weight.scales, &mins = weight.mins;
+  if (mins && mins.base == scales.base && mins.codes == scales.codes) {
+    weight.min_from_scale = true;
+    weight.min_per_scale = mins.multiplier / scales.multiplier;
+  }
+  layout_ = std::make_shared<const Layout>(Layout{std::move(held), weight, n_out});
 }
 
 // The output is allocated here: an `out` argument made each batch-1 call
@@ -514,10 +586,13 @@ at::Tensor QuantMatrix::operator()(const at::Tensor& x) const {
   at::Tensor out = at::empty({rows, n_out}, x.options());
   if (rows == 0) return out;
   const QuantActs acts(xc.data_ptr<float>(), rows, x.size(1), xc.stride(0), w);
+  float* y = out.data_ptr<float>();
   if (w.bits == 4) {
-    panel_gemm<4>(w, acts, rows, n_out, out.data_ptr<float>());
+    panel_gemm<4>(w, acts, rows, n_out, y);
+  } else if (w.bits == 6) {
+    panel_gemm<6>(w, acts, rows, n_out, y);
   } else {
-    panel_gemm<8>(w, acts, rows, n_out, out.data_ptr<float>());
+    panel_gemm<8>(w, acts, rows, n_out, y);
   }
   return out;
 }
@@ -525,19 +600,21 @@ at::Tensor QuantMatrix::operator()(const at::Tensor& x) const {
 namespace {
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight,
-                        const at::Tensor& scale_base, const std::optional<at::Tensor>& scale_codes,
+                        const std::optional<at::Tensor>& qhigh, const at::Tensor& scale_base,
+                        const std::optional<at::Tensor>& scale_codes,
                         const std::optional<at::Tensor>& min_base,
                         const std::optional<at::Tensor>& min_codes, double min_multiplier,
                         int64_t bits, int64_t group, int64_t n_out) {
-  return QuantMatrix(qweight, scale_base, scale_codes, min_base, min_codes, min_multiplier, bits,
-                     group, n_out)(x);
+  return QuantMatrix(qweight, qhigh, scale_base, scale_codes, min_base, min_codes, min_multiplier,
+                     bits, group, n_out)(x);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(tokenloom_quant, m) {
   m.def(
-      "quant_linear(Tensor x, Tensor qweight, Tensor scale_base, Tensor? scale_codes, "
+      "quant_linear(Tensor x, Tensor qweight, Tensor? qhigh, Tensor scale_base, "
+      "Tensor? scale_codes, "
       "Tensor? min_base, Tensor? min_codes, float min_multiplier, int bits, int group, "
       "int n_out) -> Tensor");
 }

@@ -14,7 +14,8 @@ namespace tokenloom {
 class QuantMatrix {
  public:
   // The arguments of `quant_linear` after x (see quant_linear.cpp).
-  QuantMatrix(const at::Tensor& qweight, const at::Tensor& scale_base,
+  QuantMatrix(const at::Tensor& qweight, const std::optional<at::Tensor>& qhigh,
+              const at::Tensor& scale_base,
               const std::optional<at::Tensor>& scale_codes,
               const std::optional<at::Tensor>& min_base,
               const std::optional<at::Tensor>& min_codes, double min_multiplier, int64_t bits,
