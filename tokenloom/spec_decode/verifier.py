@@ -25,7 +25,9 @@ kept, as in plain decoding (draws for rows past the first mismatch are taken
 back). How many drafts a request gets depends on measured step times
 (``draft_budget``), so without this its random stream, and with exact matching
 its tokens, would change from run to run; with it, a seeded request with
-n-gram drafts samples exactly the tokens it would sample without speculation.
+n-gram drafts makes the draws it would make without speculation, and so
+samples the same tokens up to the last bits of its logits (a verified row's
+float32 logits come from other matmul shapes than a plain decode row's).
 """
 
 from __future__ import annotations
