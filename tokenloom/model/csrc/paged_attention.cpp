@@ -61,15 +61,6 @@ inline vec load_kv(const c10::Half* p) {
   return __builtin_convertvector(*reinterpret_cast<const fp16_lanes*>(p), vec);
 }
 
-// Blocks sit anywhere in the cache, so the hardware prefetcher stops at each
-// block's end; the next block's rows are requested while this one is scored.
-template <typename T>
-inline void prefetch_rows(const T* first, int64_t rows, int64_t row_stride, int64_t row_len) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < row_len; i += 2 * 64 / sizeof(T))
-      __builtin_prefetch(first + r * row_stride + i);
-}
-
 struct Task {
   int32_t request;
   int32_t token;  // row of q / out
@@ -167,6 +158,43 @@ struct ValueSum {
   }
 };
 
+// How far ahead of the keys being read their cache lines are requested.
+// Blocks sit anywhere in the cache, so the hardware prefetcher loses the
+// stream at every block's end. The lines are requested key by key, every line
+// (the previous code asked for every other one, one block ahead), so the
+// distance in bytes is the same whatever the block size, and the V pass's
+// first lines are on their way while the K pass ends: 128 decodes of 400
+// tokens ran 1.2x faster on an AMD EPYC (Zen 4), float32 and bfloat16 caches.
+constexpr int64_t kAheadKeys = 64;
+
+// One KV group's keys as one stream: K of keys 0..n-1, then V of the same.
+template <int64_t D, typename T>
+struct KeyStream {
+  const Problem<T>& p;
+  const int32_t* blocks;
+  int64_t kv_head, n;
+
+  // Requests the cache lines of the 16 keys from stream position i (a multiple
+  // of 16): K for i < n, V for n <= i < 2n.
+  inline void prefetch(int64_t i) const {
+    if (i >= 2 * n) return;
+    const bool value = i >= n;
+    const int64_t key = value ? i - n : i;
+    const int64_t block = blocks[key / p.block_size], at = key % p.block_size;
+    constexpr int64_t line = 64 / sizeof(T);
+    if (!value) {
+      if (at % line != 0) return;  // this row's line holds the previous tile's keys
+      const T* rows = p.k_cache + (block * p.num_kv_heads + kv_head) * D * p.block_size + at;
+      for (int64_t d = 0; d < D; ++d) __builtin_prefetch(rows + d * p.block_size);
+    } else {
+      const int64_t count = std::min<int64_t>({kLanes, p.block_size - at, n - key});
+      const T* rows = p.v_cache + ((block * p.block_size + at) * p.num_kv_heads + kv_head) * D;
+      for (int64_t r = 0; r < count; ++r)
+        for (int64_t c = 0; c < D; c += line) __builtin_prefetch(rows + r * p.num_kv_heads * D + c);
+    }
+  }
+};
+
 // Scratch of one thread, sized for the longest context in the batch.
 struct Scratch {
   std::vector<float> q;       // [H, D] the token's queries, pre-scaled
@@ -189,16 +217,15 @@ void attend_heads(const Problem<T>& p, const Task& task, int64_t head, Scratch& 
   // otherwise a tile may cover keys past `n` inside the last block: their
   // scores are computed and then discarded.
   const int64_t k_block_stride = p.num_kv_heads * D * block_size;
+  const int64_t v_token_stride = p.num_kv_heads * D;
+  const KeyStream<D, T> stream{p, blocks, kv_head, n};
+  for (int64_t i = 0; i < kAheadKeys; i += kLanes) stream.prefetch(i);
   for (int64_t first = 0; first < n; first += block_size) {
     const T* k_block = p.k_cache + blocks[first / block_size] * k_block_stride +
                            kv_head * D * block_size;
     const int64_t in_block = std::min(block_size, n - first);
-    if (first + block_size < n) {
-      prefetch_rows(p.k_cache + blocks[first / block_size + 1] * k_block_stride +
-                        kv_head * D * block_size,
-                    1, 0, D * block_size);
-    }
     for (int64_t t0 = 0; t0 < in_block; t0 += kLanes) {
+      stream.prefetch(first + t0 + kAheadKeys);
       if (t0 + kLanes <= block_size) {
         score_tile<D, HEADS>(q, k_block + t0, block_size, scores + first + t0, stride);
       } else {
@@ -239,17 +266,16 @@ void attend_heads(const Problem<T>& p, const Task& task, int64_t head, Scratch& 
   }
 
   // Weighted sum of V. V blocks are [block_size, Hkv, D].
-  const int64_t v_token_stride = p.num_kv_heads * D;
   ValueSum<D, HEADS> value_sum;
   for (int64_t first = 0; first < n; first += block_size) {
     const T* v = p.v_cache + blocks[first / block_size] * block_size * v_token_stride +
                      kv_head * D;
-    if (first + block_size < n) {
-      prefetch_rows(p.v_cache + blocks[first / block_size + 1] * block_size * v_token_stride +
-                        kv_head * D,
-                    block_size, v_token_stride, D);
+    const int64_t in_block = std::min(block_size, n - first);
+    for (int64_t t0 = 0; t0 < in_block; t0 += kLanes) {
+      stream.prefetch(n + first + t0 + kAheadKeys);
+      value_sum.add(scores + first + t0, stride, v + t0 * v_token_stride, v_token_stride,
+                    std::min(kLanes, in_block - t0));
     }
-    value_sum.add(scores + first, stride, v, v_token_stride, std::min(block_size, n - first));
   }
   value_sum.store_scaled(p.out + (task.token * p.num_heads + head) * D, inv_denominators);
 }
@@ -280,14 +306,35 @@ constexpr int64_t kMinWorkPerThread = 1 << 18;
 // Work units (query token, KV group) are handed out dynamically to torch's
 // intra-op threads because context lengths differ widely within a batch; one
 // token's groups can go to different threads, so a single long decode uses them all.
-// They go out group by group: consecutive units of a prompt chunk then read the
-// same group's K/V, which stays in L2 (token by token, every group's K/V passed
-// through it in turn: a 2,048-token chunk ran 1.4x slower).
+// A request's units go out group by group: consecutive units of a prompt chunk
+// then read the same group's K/V, which stays in L2 (token by token, every
+// group's K/V passed through it in turn: a 2,048-token chunk ran 1.4x slower).
+// In a batch with enough decodes to keep every thread busy, a decode is one
+// unit instead, its groups one after another: V rows interleave the groups, so
+// the lines one group's pass brings in are the next group's from L2 (128
+// decodes of 400 tokens: 1.1-1.2x faster than each group on its own).
+constexpr int64_t kWholeDecodesPerThread = 4;
+constexpr int32_t kAllGroups = -1;
+
 template <int64_t D, typename T>
 void run(const Problem<T>& p) {
   const std::vector<Task>& tasks = *p.tasks;
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  const int64_t num_units = num_tasks * p.num_kv_heads;
+  // Units: (task, group), or (task, kAllGroups) for a decode in a full batch.
+  std::vector<std::pair<int32_t, int32_t>> units;
+  const bool decodes_whole = num_tasks >= kWholeDecodesPerThread * at::get_num_threads();
+  for (int64_t first = 0; first < num_tasks;) {
+    int64_t end = first;
+    while (end < num_tasks && tasks[end].request == tasks[first].request) ++end;
+    if (end - first == 1 && decodes_whole) {
+      units.push_back({static_cast<int32_t>(first), kAllGroups});
+    } else {
+      for (int32_t g = 0; g < p.num_kv_heads; ++g)
+        for (int64_t t = first; t < end; ++t) units.push_back({static_cast<int32_t>(t), g});
+    }
+    first = end;
+  }
+  const int64_t num_units = static_cast<int64_t>(units.size());
   std::atomic<int64_t> next{0};
   const auto work = [&](int64_t, int64_t) {
     Scratch scratch;
@@ -297,7 +344,11 @@ void run(const Problem<T>& p) {
     scratch.scores.resize(p.num_heads * scratch.stride);
     scratch.tile.resize(D * kLanes);
     for (int64_t u = next++; u < num_units; u = next++)
-      attend<D, T>(p, tasks[u % num_tasks], u / num_tasks, scratch);
+      if (const auto [task, group] = units[u]; group != kAllGroups) {
+        attend<D, T>(p, tasks[task], group, scratch);
+      } else {
+        for (int64_t g = 0; g < p.num_kv_heads; ++g) attend<D, T>(p, tasks[task], g, scratch);
+      }
   };
   const int64_t threads = std::min<int64_t>(
       {static_cast<int64_t>(at::get_num_threads()), num_units, p.work / kMinWorkPerThread});
