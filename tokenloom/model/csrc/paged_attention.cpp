@@ -300,8 +300,12 @@ void attend(const Problem<T>& p, const Task& task, int64_t g, Scratch& scratch) 
 
 // Below this many multiply-adds per thread, waking another thread (a fork and a
 // join per layer) costs more than it saves: a batch-1 decode over a short
-// context runs on the calling thread alone.
-constexpr int64_t kMinWorkPerThread = 1 << 18;
+// context runs on the calling thread alone. Above it, a decode's K/V come cold
+// from DRAM, scattered over pages that one thread reads at a fraction of the
+// bandwidth: at 1 << 18 a batch-1 decode over 200 tokens ran single-threaded,
+// and on an AMD EPYC (Zen 4) its step took 7.1 ms against 6.6 at this value
+// (medians of 3 alternating runs of benchmarks/step_breakdown.py).
+constexpr int64_t kMinWorkPerThread = 1 << 15;
 
 // Work units (query token, KV group) are handed out dynamically to torch's
 // intra-op threads because context lengths differ widely within a batch; one
