@@ -269,16 +269,21 @@ vec run_max(vec v) {
 // The activations, quantized: per tile of kTileM rows and activation group t,
 // the tile's rows side by side (one pointer walks a tile), each the two int32
 // words its group meets and its scale; per row and weight group, sum(xs * xq)
-// for the min term.
+// for the min term. The last tile's rows lie side by side as densely: with
+// fewer rows than kTileM (a decode step), a row's words fill whole lines
+// instead of one word pair in every 64 bytes, and a batch-1 matmul streaming
+// its weights from DRAM no longer shares the core's line fills with L2 reads
+// of mostly unused activation lines.
 struct QuantActs {
   int64_t act_groups;
   int64_t groups;
-  std::unique_ptr<int32_t[]> words;  // [tiles, act_groups, kTileM, 2]
-  std::unique_ptr<float[]> scales;   // [tiles, act_groups, kTileM]
+  int64_t rows;
+  std::unique_ptr<int32_t[]> words;  // [tiles, act_groups, tile_rows(tile), 2]
+  std::unique_ptr<float[]> scales;   // [tiles, act_groups, tile_rows(tile)]
   std::unique_ptr<float[]> sums;     // [rows, groups], or empty
 
   QuantActs(const float* x, int64_t rows, int64_t cols, int64_t x_stride, const QuantWeight& w)
-      : act_groups(w.k_pad / kActGroup), groups(w.groups) {
+      : act_groups(w.k_pad / kActGroup), groups(w.groups), rows(rows) {
     const int64_t tiles = (rows + kTileM - 1) / kTileM;
     words.reset(new int32_t[tiles * act_groups * kTileM * 2]());
     scales.reset(new float[tiles * act_groups * kTileM]());
@@ -303,6 +308,7 @@ struct QuantActs {
     constexpr int64_t unit = Halves * kLanes;
     constexpr int Run = kActGroup / Halves;  // float lanes per activation group
     const int64_t tile = m / kTileM, r = m % kTileM;
+    const int64_t stride = std::min(kTileM, rows - tile * kTileM);  // the tile's rows
     int32_t* row_words = words.get() + tile * act_groups * kTileM * 2 + r * 2;
     float* row_scales = scales.get() + tile * act_groups * kTileM + r;
     float* row_sums = sums ? sums.get() + m * groups : nullptr;
@@ -334,7 +340,7 @@ struct QuantActs {
       for (int64_t i = 0; i < kLanes / Run; ++i) {
         // 4 bits: the group's low-nibble columns, then its high-nibble ones;
         // 6 and 8 bits: its first four columns, then its last four.
-        int32_t* word = row_words + (first + i) * kTileM * 2;
+        int32_t* word = row_words + (first + i) * stride * 2;
         const int8_t* codes = reinterpret_cast<const int8_t*>(q8);
         if (Halves == 2) {
           std::memcpy(word, codes + 4 * i, 4);
@@ -342,7 +348,7 @@ struct QuantActs {
         } else {
           std::memcpy(word, codes + 8 * i, 8);
         }
-        row_scales[(first + i) * kTileM] = d[Run * i];
+        row_scales[(first + i) * stride] = d[Run * i];
       }
       if (row_sums) row_sums[c0 / w.group] += lane_sum(sum);
     }
@@ -350,7 +356,8 @@ struct QuantActs {
 };
 
 // out[m0 + r, n0 + j] for r < MR, j < count: the kRowsPerVec rows at `lane` of
-// panel p against the activation tile from row m0 (a multiple of kTileM).
+// panel p against the activation tile from row m0 (a multiple of kTileM), whose
+// MR rows lie side by side.
 template <int Bits, int MR>
 void panel_tile(const QuantWeight& w, const QuantActs& a, int64_t p, int64_t lane, int64_t m0,
                 int64_t n0, int64_t count, int64_t n_out, float* out) {
@@ -410,8 +417,8 @@ void panel_tile(const QuantWeight& w, const QuantActs& a, int64_t p, int64_t lan
             second = flip_sign_bits(second);
           }
         }
-        const int32_t* wt = words + t * kTileM * 2;
-        const float* st = xs + t * kTileM;
+        const int32_t* wt = words + t * MR * 2;
+        const float* st = xs + t * MR;
         for (int r = 0; r < MR; ++r) {
           const ivec_t x0 = set1_i(wt[2 * r]), x1 = set1_i(wt[2 * r + 1]);
           ivec_t dot;
