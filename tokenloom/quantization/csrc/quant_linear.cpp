@@ -299,6 +299,9 @@ struct QuantActs {
     });
   }
 
+  // Rows in tile `tile`: kTileM, fewer in the last.
+  int64_t tile_rows(int64_t tile) const { return std::min(kTileM, rows - tile * kTileM); }
+
   // Row m: 32 columns at a time for 4 bits (Halves = 2: both halves of a block
   // side by side, so activation group i is float lanes 4i..4i+3 of each), 16
   // for 6 and 8 bits (Halves = 1: groups of 8 consecutive lanes). Vectorised: scalar,
@@ -308,7 +311,7 @@ struct QuantActs {
     constexpr int64_t unit = Halves * kLanes;
     constexpr int Run = kActGroup / Halves;  // float lanes per activation group
     const int64_t tile = m / kTileM, r = m % kTileM;
-    const int64_t stride = std::min(kTileM, rows - tile * kTileM);  // the tile's rows
+    const int64_t stride = tile_rows(tile);
     int32_t* row_words = words.get() + tile * act_groups * kTileM * 2 + r * 2;
     float* row_scales = scales.get() + tile * act_groups * kTileM + r;
     float* row_sums = sums ? sums.get() + m * groups : nullptr;
