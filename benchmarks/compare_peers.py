@@ -276,6 +276,7 @@ def run_engines(
             if data.get("single"):
                 SINGLE[label] = data
 
+    jobs: list[tuple[str, str, list[str], dict[str, str]]] = []  # (name, label, cmd, env)
     if "tokenloom" in engines:
         cmd = [py, str(PEERS / "worker_tokenloom.py"), *wl_args(paths, names), *common]
         if args.tokenloom_model:
@@ -283,10 +284,7 @@ def run_engines(
         cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--dtype", args.tokenloom_dtype]
         if args.quantization:
             cmd += ["--quantization", args.quantization]
-        data = run_worker("tokenloom", cmd, env, args.workdir, args.timeout)
-        if data is None:
-            print("   tokenloom: skipped (see the log above; is tokenloom.LLM importable yet?)")
-        add(data, "tokenloom")
+        jobs.append(("tokenloom", "tokenloom", cmd, env))
 
     if "vllm" in engines:
         vpy = Path(args.vllm_python)
@@ -301,10 +299,7 @@ def run_engines(
             }
             cmd = [str(vpy), str(PEERS / "worker_vllm.py"), *wl_args(paths, names), *common]
             cmd += ["--model", str(args.hf_model), "--dtype", args.vllm_dtype]
-            add(run_worker("vllm", cmd, venv, args.workdir, args.timeout), "vllm")
-
-    if "hf" in engines:
-        add(run_hf_sweep(args, paths, workloads, env, ncpu), "hf")
+            jobs.append(("vllm", "vllm", cmd, venv))
 
     if "llamacpp" in engines:
         server = Path(args.llama_server)
@@ -315,16 +310,55 @@ def run_engines(
             for n in slots:  # one row per -np: the aim is against its best
                 cmd = [py, str(PEERS / "worker_llamacpp.py"), *wl_args(paths, names), *common]
                 cmd += ["--server", str(server), "--gguf", str(args.gguf), "--parallel", str(n)]
-                name, label = (
-                    ("llamacpp", "llama.cpp")
-                    if len(slots) == 1
-                    else (
-                        f"llamacpp-np{n}",
-                        f"llama.cpp -np {n}",
-                    )
-                )
-                add(run_worker(name, cmd, env, args.workdir, args.timeout), label)
+                name = "llamacpp" if len(slots) == 1 else f"llamacpp-np{n}"
+                jobs.append((name, engine_label(name), cmd, env))
+
+    rounds: dict[str, list[dict]] = {name: [] for name, *_ in jobs}
+    for r in range(args.rounds):
+        for name, _, cmd, job_env in round_order(jobs, r):
+            worker = name if args.rounds == 1 else f"{name}.round{r + 1}"
+            data = run_worker(worker, cmd, job_env, args.workdir, args.timeout)
+            if data is None and name == "tokenloom":
+                print("   tokenloom: skipped (see the log above; is tokenloom.LLM importable yet?)")
+            if data is not None:
+                rounds[name].append(data)
+    for name, label, *_ in jobs:
+        if rounds[name]:
+            merged = merge_rounds(rounds[name])
+            if args.rounds > 1:  # the file --reuse reads: every round's runs
+                (args.workdir / f"{name}.json").write_text(json.dumps(merged))
+            add(merged, label)
+
+    if "hf" in engines:
+        add(run_hf_sweep(args, paths, workloads, env, ncpu), "hf")
     return found
+
+
+def round_order(jobs: list[Any], r: int) -> list[Any]:
+    """Round r's order of the engines: as given in even rounds, reversed in odd ones, so that a
+    machine whose speed drifts during the run favours no engine by its place in the order."""
+    return list(jobs) if r % 2 == 0 else list(reversed(jobs))
+
+
+def merge_rounds(datas: list[dict]) -> dict:
+    """One engine's worker results from several rounds as one: every round's runs and
+    single-stream runs (medians are taken over all of them), list-valued config entries
+    (llama.cpp's own timings) joined, the largest RSS, and the number of rounds."""
+    if len(datas) == 1:
+        return datas[0]
+    merged = json.loads(json.dumps(datas[0]))
+    merged["runs"] = {
+        w: [run for d in datas for run in d["runs"].get(w, [])] for w in merged["runs"]
+    }
+    if "single" in merged:
+        merged["single"] = [run for d in datas for run in d.get("single", [])]
+    for key, value in merged.get("config", {}).items():
+        if isinstance(value, list):
+            merged["config"][key] = [x for d in datas for x in d.get("config", {}).get(key, [])]
+    merged["config"]["rounds"] = len(datas)
+    merged["rss_mb"] = max(d.get("rss_mb", 0) for d in datas)
+    merged["load_s"] = statistics.median(d.get("load_s", 0) for d in datas)
+    return merged
 
 
 def run_hf_sweep(
@@ -491,6 +525,12 @@ def write_report(
                     "of the machine during a timed run; treat this figure as noisy."
                 )
     single_text = single_stream_section(args, bars)
+    rounds_note = (
+        f" ({args.rounds} rounds of {args.repeats}, each engine's place in the order reversed "
+        "from round to round, so that a drift in the machine's speed favours none)"
+        if args.rounds > 1
+        else ""
+    )
     png = plot_throughput_bars(bars, args.out_png) if bars else None
     wl_lines = []
     for wname, reqs in workloads.items():
@@ -543,7 +583,7 @@ The floor is model FLOPs (2 x params per token fed + attention) over the fp32 ce
 
 ## Results
 
-Median of the runs; throughput counts the requested tokens (each engine's
+Median of the runs{rounds_note}; throughput counts the requested tokens (each engine's
 returned token counts were verified against them: "lengths"). Ratio =
 tokenloom's wall time / the engine's (above 1: faster than tokenloom).
 "others" = the most CPU other processes took during a timed run, as a share of the machine;
@@ -607,6 +647,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default="tokenloom,vllm,hf,llamacpp")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every engine this many times, the order reversed each round; medians "
+        "over all rounds' repeats (for a machine whose speed drifts)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--main-requests",
@@ -656,8 +703,8 @@ def main() -> None:
     ap.add_argument("--out-md", type=Path, default=ROOT / "docs" / "peers.md")
     ap.add_argument("--out-png", type=Path, default=ROOT / "docs" / "peers.png")
     args = ap.parse_args()
-    if args.repeats < 1:
-        raise SystemExit("--repeats must be >= 1")
+    if args.repeats < 1 or args.rounds < 1:
+        raise SystemExit("--repeats and --rounds must be >= 1")
     unknown = {e for e in args.engines.split(",") if e} - set(ALL_ENGINES)
     if unknown:
         raise SystemExit(f"unknown engine(s) {sorted(unknown)}; choose from {ALL_ENGINES}")

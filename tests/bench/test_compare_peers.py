@@ -84,6 +84,8 @@ def test_write_report_table_and_chart(tmp_path):
         tokenloom_dtype="auto",
         kv_cache_dtype="auto",
         vllm_dtype="bfloat16",
+        repeats=3,
+        rounds=2,
     )
     floors = {"main": (1.0, 1.0), "shared-prefix": (2.0, 1.5)}
     cp.write_report(args, res, workloads, {"float32": 10.0, "bfloat16": 5.0}, floors, "cmd x")
@@ -97,6 +99,7 @@ def test_write_report_table_and_chart(tmp_path):
     assert "| tokenloom | shared-prefix | 4.0 | 12.0 | 1.00 | 1.00x | 50% |" in text
     assert "cmd x" in text and "Note: noisy" in text
     assert "the GGUF `model.gguf`" in text and "vLLM runs it\n  in bfloat16" in text
+    assert "Median of the runs (2 rounds of 3, each engine's place in the order reversed" in text
     assert (tmp_path / "peers.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -104,3 +107,31 @@ def test_engine_labels_name_the_llamacpp_slots():
     assert cp.engine_label("llamacpp") == "llama.cpp"
     assert cp.engine_label("llamacpp-np16") == "llama.cpp -np 16"
     assert cp.engine_label("vllm") == "vllm"
+
+
+def test_rounds_alternate_the_order_and_pool_the_runs():
+    jobs = ["tokenloom", "vllm", "llamacpp"]
+    assert cp.round_order(jobs, 0) == jobs
+    assert cp.round_order(jobs, 1) == ["llamacpp", "vllm", "tokenloom"]
+    assert cp.round_order(jobs, 2) == jobs
+
+    def result(walls, decode_ms, own, rss):
+        return {
+            "runs": {"main": [{"wall_s": w} for w in walls]},
+            "single": [{"decode_ms_per_token": d} for d in decode_ms],
+            "config": {"dtype": "auto", "own_decode_ms_per_token": own},
+            "rss_mb": rss,
+            "load_s": 1.0,
+        }
+
+    first, second = result([3.0, 4.0], [9.0], [8.0], 100), result([1.0], [7.0, 6.0], [5.0], 300)
+    merged = cp.merge_rounds([first, second])
+    assert [r["wall_s"] for r in merged["runs"]["main"]] == [3.0, 4.0, 1.0]
+    assert [r["decode_ms_per_token"] for r in merged["single"]] == [9.0, 7.0, 6.0]
+    assert merged["config"] == {"dtype": "auto", "own_decode_ms_per_token": [8.0, 5.0], "rounds": 2}
+    assert merged["rss_mb"] == 300
+    assert first["runs"]["main"] == [
+        {"wall_s": 3.0},
+        {"wall_s": 4.0},
+    ]  # the inputs stay as they were
+    assert cp.merge_rounds([first]) is first
