@@ -156,7 +156,7 @@ def test_detects_wrong_attention(monkeypatch: pytest.MonkeyPatch, path: str) -> 
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 80, 16), (4, 1, 64, 8)],
+    [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 80, 16), (4, 1, 64, 8), (6, 2, 64, 8)],
 )
 def test_native_kernel_matches_torch_at_model_shapes(
     heads: int, kv_heads: int, head_dim: int, block_size: int
