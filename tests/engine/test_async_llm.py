@@ -148,7 +148,7 @@ async def test_a_huge_prompt_does_not_block_the_event_loop(
 
 
 async def test_a_slow_chat_template_does_not_block_the_event_loop(engine: AsyncLLM) -> None:
-    slow = "{% for i in range(3000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}x"
+    slow = "{% for i in range(3000) %}{% for j in range(3000) %}{% endfor %}{% endfor %}x"
     took, stall = await max_loop_stall(
         engine.render_chat([{"role": "user", "content": "Hi"}], ChatOptions(chat_template=slow))
     )
