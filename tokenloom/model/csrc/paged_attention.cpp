@@ -642,4 +642,3 @@ TORCH_LIBRARY(tokenloom_cpu, m) {
       "-> ()");
   m.impl("write_kv", c10::DispatchKey::CPU, &tokenloom::write_kv);
 }
-
