@@ -4,8 +4,8 @@ supported type (random bytes with sane fp16 scales, checked against
 (bits, group, mins) layout with random codes, on odd shapes (K not a multiple
 of 32, N odd) and 1 to 130 rows.
 
-The native kernel quantizes the activations to int8 per 8 columns at every row
-count, so it is compared exactly (float64, 1e-4 relative) with a reference that
+The native kernel quantizes the activations to int8 per 8 or 16 columns (the
+matrix's act_group) at every row count, so it is compared exactly (float64, 1e-4 relative) with a reference that
 quantizes them the same way, and with the dequantized float reference within the
 error that activation rounding can cause (half a step per element); the torch
 fallback matches the dequantized reference to float32 summation order. Each
@@ -29,9 +29,9 @@ from tokenloom.quantization.formats import (
     quantize_float,
 )
 from tokenloom.quantization.kernels import native_available, quant_matmul
-from tokenloom.quantization.panels import PANEL, PanelWeight
+from tokenloom.quantization.panels import PANEL, PanelWeight, act_group_for
 
-ACT_GROUP = 8  # activation columns per int8 scale in the native kernel
+ACT_GROUPS = (8, 16)  # activation columns per int8 scale a matrix may ask for
 
 
 def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor, tol: float = 2e-5) -> None:
@@ -41,13 +41,13 @@ def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor, tol: float =
 
 
 def quantized_activations(
-    x: torch.Tensor, k_pad: int, bits: int
+    x: torch.Tensor, k_pad: int, bits: int, act_group: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the kernel computes with: x rounded to int8 per ACT_GROUP columns
+    """What the kernel computes with: x rounded to int8 per act_group columns
     (scale max|x| / 127, ties to even), as float64, and half a step per element.
-    For 6- and 8-bit weights a group is 8 consecutive columns; for 4-bit ones,
-    columns 4i..4i+3 and 16+4i..16+4i+3 of each 32-column block (the two nibbles
-    of the kernel's int32 lane)."""
+    For 6- and 8-bit weights a group is consecutive columns; for 4-bit ones,
+    8 columns are 4i..4i+3 and 16+4i..16+4i+3 of each 32-column block (the two
+    nibbles of the kernel's int32 lane), and 16 are two such, i = 2j and 2j + 1."""
     rows, k = x.shape
     padded = torch.zeros(rows, k_pad)
     padded[:, :k] = x
@@ -55,7 +55,7 @@ def quantized_activations(
     if bits == 4:
         within = torch.arange(32).view(2, 4, 4).transpose(0, 1).reshape(32)
         order = (order.view(-1, 32)[:, within]).reshape(k_pad)
-    blocks = padded[:, order].view(rows, -1, ACT_GROUP)
+    blocks = padded[:, order].view(rows, -1, act_group)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.where(scale > 0, torch.round(blocks / safe), torch.zeros_like(blocks))
@@ -68,21 +68,24 @@ def quantized_activations(
 
 
 def check_native(x: torch.Tensor, weight: QuantizedWeight) -> None:
-    """The native kernel on ``weight``'s panel layout against its exact reference,
-    within the activation rounding's bound against the dequantized float
-    reference, and row by row against itself on batches of one."""
+    """The native kernel on ``weight``'s panel layout, with each activation
+    grouping, against its exact reference, within the activation rounding's
+    bound against the dequantized float reference, and row by row against itself
+    on batches of one."""
     assert native_available()
-    panels = PanelWeight.from_rows(weight)
-    torch.testing.assert_close(panels.dequantize(), weight.dequantize(), rtol=0, atol=0)
-    out = quant_matmul(x, panels)
     w = weight.dequantize().double()
-    xq, half_step = quantized_activations(x, weight.scales.groups * weight.group, weight.bits)
-    expected = F.linear(xq, w)
-    assert_close_fp32(out.double(), expected, tol=1e-4)
-    bound = F.linear(half_step, w.abs()) + 2e-5 * (float(expected.abs().max()) + 1e-6)
-    assert bool(((out.double() - F.linear(x.double(), w)).abs() <= bound).all())
-    for row in sorted({0, x.shape[0] // 2, x.shape[0] - 1}):
-        assert torch.equal(quant_matmul(x[row : row + 1], panels)[0], out[row])
+    for act_group in ACT_GROUPS:
+        panels = PanelWeight.from_rows(weight, act_group)
+        torch.testing.assert_close(panels.dequantize(), weight.dequantize(), rtol=0, atol=0)
+        out = quant_matmul(x, panels)
+        k_pad = weight.scales.groups * weight.group
+        xq, half_step = quantized_activations(x, k_pad, weight.bits, act_group)
+        expected = F.linear(xq, w)
+        assert_close_fp32(out.double(), expected, tol=1e-4)
+        bound = F.linear(half_step, w.abs()) + 2e-5 * (float(expected.abs().max()) + 1e-6)
+        assert bool(((out.double() - F.linear(x.double(), w)).abs() <= bound).all())
+        for row in sorted({0, x.shape[0] // 2, x.shape[0] - 1}):
+            assert torch.equal(quant_matmul(x[row : row + 1], panels)[0], out[row])
 
 
 @pytest.mark.parametrize("ggml_type", GGUF_TYPES, ids=lambda t: t.name)
@@ -262,11 +265,13 @@ def test_panel_layout_interleaves_rows_and_keeps_sharing(ggml_type: T) -> None:
     assert panels.nbytes >= rows.nbytes
 
 
-def test_batch_invariance_over_every_row_count() -> None:
+@pytest.mark.parametrize("act_group", ACT_GROUPS)
+def test_batch_invariance_over_every_row_count(act_group: int) -> None:
     """One row's output is bitwise the same alone and in batches of 2 to 70, in any
     position: a greedy answer must not change with the requests beside it."""
     gen = torch.Generator().manual_seed(7)
-    weight = PanelWeight.from_rows(quantize_float(torch.randn(40, 200, generator=gen), "int4"))
+    quantized = quantize_float(torch.randn(40, 200, generator=gen), "int4")
+    weight = PanelWeight.from_rows(quantized, act_group)
     probe = torch.randn(1, 200, generator=gen)
     alone = quant_matmul(probe, weight)
     for rows in (2, 5, 8, 9, 16, 31, 70):
@@ -274,3 +279,15 @@ def test_batch_invariance_over_every_row_count() -> None:
         at = rows // 2
         batch[at] = probe[0]
         assert torch.equal(quant_matmul(batch, weight)[at], alone[0]), rows
+
+
+def test_only_the_mlp_input_projection_rounds_activations_per_16_columns() -> None:
+    assert act_group_for("layers.0.mlp.gate_up_proj.weight") == 16
+    for name in (
+        "layers.0.self_attn.qkv_proj.weight",
+        "layers.7.self_attn.o_proj.weight",
+        "layers.0.mlp.down_proj.weight",
+        "lm_head.weight",
+        "embed_tokens.weight",
+    ):
+        assert act_group_for(name) == 8, name

@@ -2,8 +2,8 @@
 runs it for whole decoders), built on first use as their own extension
 ``tokenloom_quant`` (cached like ``model.cpu_kernels``'s, keyed by
 the CPU's flags and this checkout). It reads ``panels.py``'s layout, rounds the
-activations to int8 (a scale per 8 columns) and uses integer dot products
-(AVX-512 VNNI, AVX-VNNI or AVX2).
+activations to int8 (a scale per 8 or 16 columns, as the matrix says) and uses
+integer dot products (AVX-512 VNNI, AVX-VNNI or AVX2).
 Without AVX2 or a compiler, after a failed build or with
 ``TOKENLOOM_CPU_KERNELS=0``, ``quant_matmul`` dequantizes and uses ``F.linear``
 instead: float activations, slower, and the float weights exist for the

@@ -37,7 +37,7 @@ from tokenloom.quantization.formats import (
     quantize_float,
 )
 from tokenloom.quantization.linear import QuantEmbedding, QuantLinear
-from tokenloom.quantization.panels import PanelWeight
+from tokenloom.quantization.panels import PanelWeight, act_group_for
 
 _EMBED = "embed_tokens.weight"
 _HEAD = "lm_head.weight"
@@ -177,7 +177,8 @@ def load_quantized(
                 if len(got) == count:  # fused now, so its parts are gone before the next
                     del pending[name]
                     weights[name] = PanelWeight.from_rows(
-                        concat_rows([w for _, w in sorted(got, key=lambda p: p[0])])
+                        concat_rows([w for _, w in sorted(got, key=lambda p: p[0])]),
+                        act_group_for(name),
                     )
             else:
                 yield hf_name, value

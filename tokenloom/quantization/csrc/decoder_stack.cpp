@@ -77,14 +77,15 @@ class DecoderStack : public torch::CustomClassHolder {
   void add_matrix(Tensor qweight, std::optional<Tensor> qhigh, Tensor scale_base,
                   std::optional<Tensor> scale_codes, std::optional<Tensor> min_base,
                   std::optional<Tensor> min_codes, double min_multiplier, int64_t bits,
-                  int64_t group, int64_t n_out) {
+                  int64_t group, int64_t n_out, int64_t act_group) {
     TORCH_CHECK(!layers_.empty() && layers_.back().projections.size() < kProjections,
                 "add_matrix needs a layer with fewer than four projections");
     const int64_t qkv_width = (num_heads_ + 2 * num_kv_heads_) * head_dim_;
     TORCH_CHECK(!layers_.back().projections.empty() || n_out == qkv_width, "layer ",
                 layers_.size() - 1, ": qkv width ", n_out, ", the heads need ", qkv_width);
     layers_.back().projections.emplace_back(qweight, qhigh, scale_base, scale_codes, min_base,
-                                            min_codes, min_multiplier, bits, group, n_out);
+                                            min_codes, min_multiplier, bits, group, n_out,
+                                            act_group);
   }
 
   // h [T, hidden]: the embedded tokens (overwritten: it becomes the residual

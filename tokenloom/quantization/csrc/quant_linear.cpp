@@ -23,17 +23,21 @@
 // arrive as the file keeps them (Factors): fp16 or fp32 per group, or an fp16
 // base per super-block times an int8 code per group.
 //
-// Activations are quantized per row and per 8 columns (activation group t, the
-// columns of word t for 4 and 6 bits and of words 2t, 2t+1 for 8 bits): xs = max|x| /
-// 127, xq = round(x / xs), ties to even. For each output row n, activation row m
-// and weight group g, in this order,
-//   gsum  = sum over t in g of float(dot8(q[n, t], xq[m, t])) * xs[m, t]
+// Activations are quantized per row and per activation group of A = 8 or 16
+// columns, A chosen per matrix (see panels.py's act_group): xs = max|x| / 127,
+// xq = round(x / xs), ties to even. A group is A / 8 sub-units of 8 columns,
+// sub-unit t the columns of word t for 4 and 6 bits and of words 2t, 2t + 1 for
+// 8 bits. For each output row n, activation row m and weight group g, in this
+// order,
+//   gsum  = sum over groups a in g of float(dot(q[n, a], xq[m, a])) * xs[m, a]
 //   y[m, n] += gsum * scale[n, g] + min[n, g] * sum over g's columns of xs * xq,
 // i.e. exactly dequant(W) against the rounded activations. (The float x in the
 // min term alone is worse: Q4_1's codes and mins are far from centred, and the
-// default model's argmax agreement fell from 98% to 95%.) Per 8 and not per 32
-// columns as llama.cpp's Q8_0: per 32 moved the default model's greedy argmax
-// away from the float model's at 3.3% of teacher-forced positions (per 8: 1.9%).
+// default model's argmax agreement fell from 98% to 95%.) The conversion and FMA
+// of each group share Zen 4's two pipes with the two `vpdpbusd` of every
+// sub-unit, so 16 columns take 5 of those slots where 8 take 3 each. Not per 32
+// as llama.cpp's Q8_0: per 32 moved the default model's greedy argmax away
+// from the float model's at 3.3% of teacher-forced positions (per 8: 1.9%).
 //
 // Every row count runs this one loop, each activation row with its own
 // accumulators in the order above: a row's result does not depend on the
@@ -65,7 +69,7 @@ namespace {
 constexpr int64_t kPanel = 16;     // output rows per panel (formats.PANEL)
 constexpr int64_t kWordBytes = 4;  // bytes of one row per word
 constexpr int64_t kBlock = 32;     // columns per 4-bit block and padding unit
-constexpr int64_t kActGroup = 8;   // activation columns per scale
+constexpr int64_t kSubUnit = 8;    // activation columns per two dot products of a row
 // How far ahead of its loads the kernel prefetches the weight stream. Batch-1
 // decode reads each matrix once a step from L3 or DRAM, and the hardware
 // prefetcher restarts at every 4 KB page: the default model's step ran 15%
@@ -254,46 +258,57 @@ inline vec abs(vec v) {
 }
 inline vec max(vec a, vec b) { return a > b ? a : b; }
 
-// Each lane's maximum over its run of Run (4 or 8) lanes.
+// Each lane's maximum over its run of Run (4, 8 or 16) lanes.
 template <int Run>
 vec run_max(vec v) {
+  static_assert(Run == 4 || Run == 8 || Run == 16);
   const ivec swap1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
   const ivec swap2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
   const ivec swap4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+  const ivec swap8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
   v = max(v, __builtin_shuffle(v, swap1));
   v = max(v, __builtin_shuffle(v, swap2));
-  if (Run == 8) v = max(v, __builtin_shuffle(v, swap4));
+  if (Run >= 8) v = max(v, __builtin_shuffle(v, swap4));
+  if (Run == 16) v = max(v, __builtin_shuffle(v, swap8));
   return v;
 }
 
-// The activations, quantized: per tile of kTileM rows and activation group t,
-// the tile's rows side by side (one pointer walks a tile), each the two int32
-// words its group meets and its scale; per row and weight group, sum(xs * xq)
-// for the min term. The last tile's rows lie side by side as densely: with
-// fewer rows than kTileM (a decode step), a row's words fill whole lines
-// instead of one word pair in every 64 bytes, and a batch-1 matmul streaming
-// its weights from DRAM no longer shares the core's line fills with L2 reads
-// of mostly unused activation lines.
+// The activations, quantized: per tile of kTileM rows and activation group,
+// the tile's rows side by side (one pointer walks a tile), each the
+// act_group / 4 int32 words its group meets and its scale; per row and weight
+// group, sum(xs * xq) for the min term. The last tile's rows lie side by side
+// as densely: with fewer rows than kTileM (a decode step), a row's words fill
+// whole lines instead of one group's words in every 64 bytes, and a batch-1
+// matmul streaming its weights from DRAM no longer shares the core's line
+// fills with L2 reads of mostly unused activation lines.
 struct QuantActs {
+  int64_t act_group;  // columns per scale: 8 or 16
+  int64_t act_words;  // int32 words per row and group: act_group / 4
   int64_t act_groups;
   int64_t groups;
   int64_t rows;
-  std::unique_ptr<int32_t[]> words;  // [tiles, act_groups, tile_rows(tile), 2]
+  std::unique_ptr<int32_t[]> words;  // [tiles, act_groups, tile_rows(tile), act_words]
   std::unique_ptr<float[]> scales;   // [tiles, act_groups, tile_rows(tile)]
   std::unique_ptr<float[]> sums;     // [rows, groups], or empty
 
-  QuantActs(const float* x, int64_t rows, int64_t cols, int64_t x_stride, const QuantWeight& w)
-      : act_groups(w.k_pad / kActGroup), groups(w.groups), rows(rows) {
+  QuantActs(const float* x, int64_t rows, int64_t cols, int64_t x_stride, const QuantWeight& w,
+            int64_t act_group)
+      : act_group(act_group),
+        act_words(act_group / 4),
+        act_groups(w.k_pad / act_group),
+        groups(w.groups),
+        rows(rows) {
     const int64_t tiles = (rows + kTileM - 1) / kTileM;
-    words.reset(new int32_t[tiles * act_groups * kTileM * 2]());
+    words.reset(new int32_t[tiles * act_groups * kTileM * act_words]());
     scales.reset(new float[tiles * act_groups * kTileM]());
     if (w.min_term()) sums.reset(new float[rows * groups]());
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
+        const float* row = x + m * x_stride;
         if (w.bits == 4) {
-          quantize_row<2>(x + m * x_stride, cols, m, w);
+          act_group == 8 ? quantize_row<2, 8>(row, cols, m, w) : quantize_row<2, 16>(row, cols, m, w);
         } else {
-          quantize_row<1>(x + m * x_stride, cols, m, w);
+          act_group == 8 ? quantize_row<1, 8>(row, cols, m, w) : quantize_row<1, 16>(row, cols, m, w);
         }
       }
     });
@@ -303,16 +318,16 @@ struct QuantActs {
   int64_t tile_rows(int64_t tile) const { return std::min(kTileM, rows - tile * kTileM); }
 
   // Row m: 32 columns at a time for 4 bits (Halves = 2: both halves of a block
-  // side by side, so activation group i is float lanes 4i..4i+3 of each), 16
-  // for 6 and 8 bits (Halves = 1: groups of 8 consecutive lanes). Vectorised: scalar,
-  // it took a third of a 128-row down projection.
-  template <int Halves>
+  // side by side, so a group of Group columns is float lanes Group / 2 * i ..
+  // of each half), 16 for 6 and 8 bits (Halves = 1: Group consecutive lanes).
+  // Vectorised: scalar, it took a third of a 128-row down projection.
+  template <int Halves, int Group>
   void quantize_row(const float* x, int64_t cols, int64_t m, const QuantWeight& w) {
     constexpr int64_t unit = Halves * kLanes;
-    constexpr int Run = kActGroup / Halves;  // float lanes per activation group
+    constexpr int Run = Group / Halves;  // float lanes per activation group
     const int64_t tile = m / kTileM, r = m % kTileM;
     const int64_t stride = tile_rows(tile);
-    int32_t* row_words = words.get() + tile * act_groups * kTileM * 2 + r * 2;
+    int32_t* row_words = words.get() + (tile * act_groups * kTileM + r) * act_words;
     float* row_scales = scales.get() + tile * act_groups * kTileM + r;
     float* row_sums = sums ? sums.get() + m * groups : nullptr;
     const vec magic = vec{} + kRoundingMagic;
@@ -339,17 +354,18 @@ struct QuantActs {
         q8[h] = __builtin_convertvector(__builtin_convertvector(q, ivec), bvec);
         sum += d * q;
       }
-      const int64_t first = c0 / kActGroup;
+      const int64_t first = c0 / Group;
+      const int8_t* codes = reinterpret_cast<const int8_t*>(q8);
       for (int64_t i = 0; i < kLanes / Run; ++i) {
-        // 4 bits: the group's low-nibble columns, then its high-nibble ones;
-        // 6 and 8 bits: its first four columns, then its last four.
-        int32_t* word = row_words + (first + i) * stride * 2;
-        const int8_t* codes = reinterpret_cast<const int8_t*>(q8);
+        int32_t* word = row_words + (first + i) * stride * act_words;
         if (Halves == 2) {
-          std::memcpy(word, codes + 4 * i, 4);
-          std::memcpy(word + 1, codes + kLanes + 4 * i, 4);
+          // Per sub-unit, its four low-nibble columns, then its four high-nibble ones.
+          for (int64_t u = 0; u < Group / kSubUnit; ++u) {
+            std::memcpy(word + 2 * u, codes + Run * i + 4 * u, 4);
+            std::memcpy(word + 2 * u + 1, codes + kLanes + Run * i + 4 * u, 4);
+          }
         } else {
-          std::memcpy(word, codes + 8 * i, 8);
+          std::memcpy(word, codes + Run * i, Group);
         }
         row_scales[(first + i) * stride] = d[Run * i];
       }
@@ -358,24 +374,41 @@ struct QuantActs {
   }
 };
 
+// dot plus one sub-unit's products: the codes `first` and `second` (its four
+// low-nibble and four high-nibble columns, or for 8 bits its two words) against
+// one activation row's two words of the same columns.
+template <int Bits>
+__attribute__((always_inline)) inline ivec_t sub_unit_dot(ivec_t dot, ivec_t first, ivec_t second,
+                                                          int32_t word0, int32_t word1) {
+  const ivec_t x0 = set1_i(word0), x1 = set1_i(word1);
+#if !TL_VNNI
+  if (Bits == 8) {
+    return dpbusd(dpbusd(dot, _mm256_abs_epi8(first), _mm256_sign_epi8(x0, first)),
+                  _mm256_abs_epi8(second), _mm256_sign_epi8(x1, second));
+  }
+#endif
+  return dpbusd(dpbusd(dot, first, x0), second, x1);
+}
+
 // out[m0 + r, n0 + j] for r < MR, j < count: the kRowsPerVec rows at `lane` of
 // panel p against the activation tile from row m0 (a multiple of kTileM), whose
-// MR rows lie side by side.
-template <int Bits, int MR>
+// MR rows lie side by side, with activation groups of AG columns.
+template <int Bits, int MR, int AG>
 void panel_tile(const QuantWeight& w, const QuantActs& a, int64_t p, int64_t lane, int64_t m0,
                 int64_t n0, int64_t count, int64_t n_out, float* out) {
-  const int64_t per_group = w.group / kActGroup;
+  constexpr int64_t act_words = AG / 4;
+  const int64_t pairs_per_group = w.group / (2 * kSubUnit);
   const int64_t word_step = kPanel * kWordBytes;  // one word of the panel's 16 rows
   const uint8_t* q = w.q + p * w.words * word_step + lane * kWordBytes;
   const uint8_t* high =
       Bits == 6 ? w.high + p * (w.words / 2) * word_step + lane * kWordBytes : nullptr;
   const int64_t tile = m0 / kTileM;
-  const int32_t* words = a.words.get() + tile * a.act_groups * kTileM * 2;
+  const int32_t* words = a.words.get() + tile * a.act_groups * kTileM * act_words;
   const float* xs = a.scales.get() + tile * a.act_groups * kTileM;
-  // Each dot product starts from the bits of kRoundingMagic: the integer sum
-  // then lands in the mantissa, and subtracting the magic gives it as a float,
-  // exactly (|sum| < 2^22). vcvtdq2ps would do the same on the port that also
-  // runs every vpdpbusd; the subtraction can run on another.
+  // Each group's dot product starts from the bits of kRoundingMagic: the
+  // integer sum then lands in the mantissa, and subtracting the magic gives it
+  // as a float, exactly (|sum| < 2^22). vcvtdq2ps would do the same on the port
+  // that also runs every vpdpbusd; the subtraction can run on another.
   const ivec_t biased = set1_i(__builtin_bit_cast(int32_t, kRoundingMagic));
   const fvec_t bias = set1_f(kRoundingMagic);
   fvec_t acc[MR];
@@ -383,19 +416,19 @@ void panel_tile(const QuantWeight& w, const QuantActs& a, int64_t p, int64_t lan
   for (int64_t g = 0; g < w.groups; ++g) {
     fvec_t gsum[MR];
     for (auto& v : gsum) v = zero_f();
-    // Words in pairs (a group has an even number): the 6-bit plane's word
-    // serves both.
-    for (int64_t pair = g * per_group / 2; pair < (g + 1) * per_group / 2; ++pair) {
+    // Sub-units in pairs (16 columns; a group has one or two): the 6-bit
+    // plane's word serves both.
+    for (int64_t pair = g * pairs_per_group; pair < (g + 1) * pairs_per_group; ++pair) {
       ivec_t high_pair{};
       if (Bits == 6) {
         high_pair = load_i(high + pair * word_step);
         const uint8_t* high_ahead = high + pair * word_step + kPrefetchBytes / 2;
         _mm_prefetch(reinterpret_cast<const char*>(high_ahead), _MM_HINT_T0);
       }
+      ivec_t first[2], second[2];
 #pragma GCC unroll 2
       for (int odd = 0; odd < 2; ++odd) {
         const int64_t t = 2 * pair + odd;
-        ivec_t first, second;
         // A panel's words are contiguous, and the next panel follows: ahead of
         // the last words lie the next panel's first (a prefetch never faults).
         const uint8_t* ahead = q + t * word_step * (Bits == 8 ? 2 : 1) + kPrefetchBytes;
@@ -403,37 +436,44 @@ void panel_tile(const QuantWeight& w, const QuantActs& a, int64_t p, int64_t lan
         if (Bits == 8) _mm_prefetch(reinterpret_cast<const char*>(ahead + word_step), _MM_HINT_T0);
         if (Bits != 8) {
           const ivec_t v = load_i(q + t * word_step);
-          first = low_nibbles(v);
-          second = high_nibbles(v);
+          first[odd] = low_nibbles(v);
+          second[odd] = high_nibbles(v);
           if (Bits == 6 && odd == 0) {
-            first = with_top_bits(first, shift16<4>(high_pair));
-            second = with_top_bits(second, shift16<2>(high_pair));
+            first[odd] = with_top_bits(first[odd], shift16<4>(high_pair));
+            second[odd] = with_top_bits(second[odd], shift16<2>(high_pair));
           } else if (Bits == 6) {
-            first = with_top_bits(first, high_pair);
-            second = with_top_bits(second, shift16<-2>(high_pair));
+            first[odd] = with_top_bits(first[odd], high_pair);
+            second[odd] = with_top_bits(second[odd], shift16<-2>(high_pair));
           }
         } else {
-          first = load_i(q + 2 * t * word_step);
-          second = load_i(q + (2 * t + 1) * word_step);
+          first[odd] = load_i(q + 2 * t * word_step);
+          second[odd] = load_i(q + (2 * t + 1) * word_step);
           if (kShiftedCodes8) {
-            first = flip_sign_bits(first);
-            second = flip_sign_bits(second);
+            first[odd] = flip_sign_bits(first[odd]);
+            second[odd] = flip_sign_bits(second[odd]);
           }
         }
-        const int32_t* wt = words + t * MR * 2;
-        const float* st = xs + t * MR;
-        for (int r = 0; r < MR; ++r) {
-          const ivec_t x0 = set1_i(wt[2 * r]), x1 = set1_i(wt[2 * r + 1]);
-          ivec_t dot;
-#if !TL_VNNI
-          if (Bits == 8) {
-            dot = dpbusd(dpbusd(biased, _mm256_abs_epi8(first), _mm256_sign_epi8(x0, first)),
-                         _mm256_abs_epi8(second), _mm256_sign_epi8(x1, second));
-          } else
-#endif
-          {
-            dot = dpbusd(dpbusd(biased, first, x0), second, x1);
+      }
+      if constexpr (AG == 8) {  // a group per sub-unit
+#pragma GCC unroll 2
+        for (int odd = 0; odd < 2; ++odd) {
+          const int64_t t = 2 * pair + odd;
+          const int32_t* wt = words + t * MR * act_words;
+          const float* st = xs + t * MR;
+          for (int r = 0; r < MR; ++r) {
+            const ivec_t dot = sub_unit_dot<Bits>(biased, first[odd], second[odd], wt[2 * r],
+                                                  wt[2 * r + 1]);
+            gsum[r] = fma(sub(as_float(dot), bias), set1_f(st[r]), gsum[r]);
           }
+        }
+      } else {  // one group for the pair
+        static_assert(AG == 16);
+        const int32_t* wt = words + pair * MR * act_words;
+        const float* st = xs + pair * MR;
+        for (int r = 0; r < MR; ++r) {
+          const int32_t* x = wt + act_words * r;
+          ivec_t dot = sub_unit_dot<Bits>(biased, first[0], second[0], x[0], x[1]);
+          dot = sub_unit_dot<Bits>(dot, first[1], second[1], x[2], x[3]);
           gsum[r] = fma(sub(as_float(dot), bias), set1_f(st[r]), gsum[r]);
         }
       }
@@ -452,14 +492,14 @@ void panel_tile(const QuantWeight& w, const QuantActs& a, int64_t p, int64_t lan
 }
 
 // The last rows - m < kTileM activation rows.
-template <int Bits, int MR>
+template <int Bits, int MR, int AG>
 void tail_tile(int64_t left, const QuantWeight& w, const QuantActs& a, int64_t p, int64_t lane,
                int64_t m0, int64_t n0, int64_t count, int64_t n_out, float* out) {
   if constexpr (MR > 0) {
     if (left == MR) {
-      panel_tile<Bits, MR>(w, a, p, lane, m0, n0, count, n_out, out);
+      panel_tile<Bits, MR, AG>(w, a, p, lane, m0, n0, count, n_out, out);
     } else {
-      tail_tile<Bits, MR - 1>(left, w, a, p, lane, m0, n0, count, n_out, out);
+      tail_tile<Bits, MR - 1, AG>(left, w, a, p, lane, m0, n0, count, n_out, out);
     }
   }
 }
@@ -469,11 +509,11 @@ void tail_tile(int64_t left, const QuantWeight& w, const QuantActs& a, int64_t p
 // re-read from L3 per panel (2048 rows ran at 60% of 512 rows' rate without).
 constexpr int64_t kBlockBytes = 256 << 10;
 
-template <int Bits>
+template <int Bits, int AG>
 void panel_gemm(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t n_out,
                 float* out) {
   const int64_t panel_bytes = w.words * kPanel * kWordBytes * (Bits == 6 ? 3 : 2) / 2;
-  const int64_t tile_bytes = a.act_groups * kTileM * (2 * sizeof(int32_t) + sizeof(float));
+  const int64_t tile_bytes = a.act_groups * kTileM * (a.act_words * sizeof(int32_t) + sizeof(float));
   const int64_t block_panels = std::max<int64_t>(1, kBlockBytes / panel_bytes);
   const int64_t block_rows = kTileM * std::max<int64_t>(1, kBlockBytes / tile_bytes);
   at::parallel_for(0, (n_out + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
@@ -488,14 +528,24 @@ void panel_gemm(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t 
             if (count <= 0) break;
             int64_t m = m0;
             for (; m + kTileM <= m_end; m += kTileM) {
-              panel_tile<Bits, kTileM>(w, a, p, lane, m, n0, count, n_out, out);
+              panel_tile<Bits, kTileM, AG>(w, a, p, lane, m, n0, count, n_out, out);
             }
-            tail_tile<Bits, kTileM - 1>(m_end - m, w, a, p, lane, m, n0, count, n_out, out);
+            tail_tile<Bits, kTileM - 1, AG>(m_end - m, w, a, p, lane, m, n0, count, n_out, out);
           }
         }
       }
     }
   });
+}
+
+template <int Bits>
+void panel_gemm(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t n_out,
+                float* out) {
+  if (a.act_group == 8) {
+    panel_gemm<Bits, 8>(w, a, rows, n_out, out);
+  } else {
+    panel_gemm<Bits, 16>(w, a, rows, n_out, out);
+  }
 }
 
 // Factors from their panel-ordered tensors (see formats.py's GroupFactors).
@@ -538,6 +588,7 @@ struct QuantMatrix::Layout {
   std::vector<at::Tensor> held;
   QuantWeight weight;
   int64_t n_out;
+  int64_t act_group;
 };
 
 QuantMatrix::QuantMatrix(const at::Tensor& qweight, const std::optional<at::Tensor>& qhigh,
@@ -545,8 +596,9 @@ QuantMatrix::QuantMatrix(const at::Tensor& qweight, const std::optional<at::Tens
                          const std::optional<at::Tensor>& scale_codes,
                          const std::optional<at::Tensor>& min_base,
                          const std::optional<at::Tensor>& min_codes, double min_multiplier,
-                         int64_t bits, int64_t group, int64_t n_out) {
+                         int64_t bits, int64_t group, int64_t n_out, int64_t act_group) {
   TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8");
+  TORCH_CHECK(act_group == 8 || act_group == 16, "act_group must be 8 or 16");
   TORCH_CHECK(group == 32 || (bits != 4 && group == 16),
               "group must be 32, or 16 for 6- and 8-bit codes");
   TORCH_CHECK(qweight.is_contiguous() && qweight.dim() == 4 && qweight.size(2) == kPanel &&
@@ -581,7 +633,7 @@ QuantMatrix::QuantMatrix(const at::Tensor& qweight, const std::optional<at::Tens
     weight.min_from_scale = true;
     weight.min_per_scale = mins.multiplier / scales.multiplier;
   }
-  layout_ = std::make_shared<const Layout>(Layout{std::move(held), weight, n_out});
+  layout_ = std::make_shared<const Layout>(Layout{std::move(held), weight, n_out, act_group});
 }
 
 // The output is allocated here: an `out` argument made each batch-1 call
@@ -595,7 +647,7 @@ at::Tensor QuantMatrix::operator()(const at::Tensor& x) const {
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor out = at::empty({rows, n_out}, x.options());
   if (rows == 0) return out;
-  const QuantActs acts(xc.data_ptr<float>(), rows, x.size(1), xc.stride(0), w);
+  const QuantActs acts(xc.data_ptr<float>(), rows, x.size(1), xc.stride(0), w, layout_->act_group);
   float* y = out.data_ptr<float>();
   if (w.bits == 4) {
     panel_gemm<4>(w, acts, rows, n_out, y);
@@ -614,9 +666,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight,
                         const std::optional<at::Tensor>& scale_codes,
                         const std::optional<at::Tensor>& min_base,
                         const std::optional<at::Tensor>& min_codes, double min_multiplier,
-                        int64_t bits, int64_t group, int64_t n_out) {
+                        int64_t bits, int64_t group, int64_t n_out, int64_t act_group) {
   return QuantMatrix(qweight, qhigh, scale_base, scale_codes, min_base, min_codes, min_multiplier,
-                     bits, group, n_out)(x);
+                     bits, group, n_out, act_group)(x);
 }
 
 }  // namespace
@@ -626,7 +678,7 @@ TORCH_LIBRARY(tokenloom_quant, m) {
       "quant_linear(Tensor x, Tensor qweight, Tensor? qhigh, Tensor scale_base, "
       "Tensor? scale_codes, "
       "Tensor? min_base, Tensor? min_codes, float min_multiplier, int bits, int group, "
-      "int n_out) -> Tensor");
+      "int n_out, int act_group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_quant, CPU, m) { m.impl("quant_linear", &quant_linear); }

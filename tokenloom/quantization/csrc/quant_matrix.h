@@ -19,7 +19,7 @@ class QuantMatrix {
               const std::optional<at::Tensor>& scale_codes,
               const std::optional<at::Tensor>& min_base,
               const std::optional<at::Tensor>& min_codes, double min_multiplier, int64_t bits,
-              int64_t group, int64_t n_out);
+              int64_t group, int64_t n_out, int64_t act_group);
 
   // x float32 [M, <= K] (rows may be strided) -> a new [M, n_out].
   at::Tensor operator()(const at::Tensor& x) const;
