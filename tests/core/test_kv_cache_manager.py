@@ -311,6 +311,21 @@ def test_reset_prefix_cache_refuses_while_blocks_are_in_use() -> None:
     assert_no_leaks(m, [])
 
 
+def test_reset_prefix_cache_hands_blocks_out_in_block_order_again() -> None:
+    m = make_manager()
+    first = [make_request(name, list(range(i * 100, i * 100 + 9))) for i, name in enumerate("abc")]
+    for req in first:
+        schedule(m, req)
+    for req in reversed(first):  # freed out of order: the LRU queue is no longer in block order
+        m.free(req)
+    assert [b.block_id for b in m.block_pool.free_queue][:3] != [1, 2, 3]
+    assert m.reset_prefix_cache()
+    assert [b.block_id for b in m.block_pool.free_queue] == list(range(1, m.num_blocks))
+    new = schedule(m, make_request("d", list(range(1000, 1009))))
+    assert new is not None and new.get_block_ids() == [1, 2, 3]
+    m.check_integrity()
+
+
 def test_generated_tokens_are_cached_once_their_block_fills() -> None:
     m = make_manager()
     a = make_request("a", list(range(6)))
