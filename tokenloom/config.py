@@ -58,8 +58,9 @@ class CacheConfig:
     # fraction: a size that does not depend on what else the machine holds
     # (num_blocks, when given, still wins).
     memory_bytes: int | None = None
-    # dtype K/V are stored in (vLLM's name); "auto": the model's dtype. A 16-bit
-    # cache under a float32 model halves what decode attention reads.
+    # dtype K/V are stored in (vLLM's name); "auto": the model's dtype, or
+    # bfloat16 under quantized weights. A 16-bit cache under a float32 model
+    # halves what decode attention reads.
     cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
     def __post_init__(self) -> None:

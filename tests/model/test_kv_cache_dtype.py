@@ -141,6 +141,8 @@ def test_native_write_rounds_like_torch(cache_dtype: torch.dtype) -> None:
 def test_resolve_kv_cache_dtype() -> None:
     assert resolve_kv_cache_dtype("auto", torch.float32) == torch.float32
     assert resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert resolve_kv_cache_dtype("auto", torch.float32, quantized=True) == torch.bfloat16
+    assert resolve_kv_cache_dtype("float32", torch.float32, quantized=True) == torch.float32
     assert resolve_kv_cache_dtype("bfloat16", torch.float32) == torch.bfloat16
     assert resolve_kv_cache_dtype("float16", torch.float32) == torch.float16
 

@@ -3,7 +3,8 @@ float32: the default GGUF (Q4_1 layers, Q8_0 tied embedding) on >= 4,000 tokens
 of local English text, tiny random-weight GGUFs for the types it lacks, and
 Hugging Face checkpoints quantized at load time (int8, int4). The quantized side
 is teacher-forced DECODE_ROWS tokens per forward pass, through the kernel path
-decode uses (the native decoder stack, where the model qualifies)."""
+decode uses (the native decoder stack, where the model qualifies), over the KV
+cache dtype serving gives it by default (bfloat16)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tests.model.harness import BlockAllocator, Seq, run_step
 from tests.quantization.blocks import write_tiny_gguf
 from tokenloom.config import ModelConfig
 from tokenloom.model.cpu_kernels import paged_attention_op
+from tokenloom.model.dtype import resolve_kv_cache_dtype
 from tokenloom.model.kv_cache import allocate_kv_caches
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.tokenizer import load_tokenizer
@@ -49,8 +51,10 @@ def teacher_forced(
     loaded: LoadedModel, ids: list[int], step: int = CHUNK
 ) -> tuple[float, torch.Tensor]:
     """(perplexity of ``ids``, argmax at every position) in CHUNK-token sequences,
-    ``step`` tokens per forward pass (the matmuls see that many rows)."""
-    caches = allocate_kv_caches(loaded.arch, CHUNK // BLOCK + 1, BLOCK, loaded.dtype, loaded.device)
+    ``step`` tokens per forward pass (the matmuls see that many rows), over the
+    KV cache dtype ``kv_cache_dtype="auto"`` gives the model."""
+    kv_dtype = resolve_kv_cache_dtype("auto", loaded.dtype, loaded.quantized)
+    caches = allocate_kv_caches(loaded.arch, CHUNK // BLOCK + 1, BLOCK, kv_dtype, loaded.device)
     # The runner's attention kernel: with it, decode-sized passes of a quantized
     # model run through its native decoder stack, as they do when serving.
     native_op = paged_attention_op(loaded.device, loaded.dtype, loaded.arch.head_dim)
@@ -100,7 +104,7 @@ def test_default_gguf_runs_quantized_in_a_quarter_of_the_memory(
     default_quantized: LoadedModel,
 ) -> None:
     model: Any = default_quantized.model
-    assert default_quantized.dtype == torch.float32
+    assert default_quantized.dtype == torch.float32 and default_quantized.quantized
     assert isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
     assert isinstance(model.layers[0].mlp.down_proj, QuantLinear)
     assert isinstance(model.embed_tokens, QuantEmbedding)

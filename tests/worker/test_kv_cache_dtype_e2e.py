@@ -80,3 +80,14 @@ def test_bfloat16_kv_cache_mostly_agrees_with_float32(prompts: list[list[int]]) 
     print(f"bf16 KV: {identical}/{len(prompts)} identical, {share:.1%} agree, logits {worst:.3f}")
     assert share >= AGREEMENT
     assert 0.0 < worst < LOGITS_ATOL  # > 0: the cache really was rounded
+
+
+def test_auto_stores_kv_in_bfloat16_under_quantized_weights() -> None:
+    """The default GGUF runs on its quantized weights with float32 activations;
+    "auto" keeps its K/V in bfloat16. Dequantized to float32, it keeps float32."""
+    cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=8)
+    for dtype, expected in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        runner = ModelRunner(ModelConfig(dtype=dtype, max_model_len=256), cache, SchedulerConfig())
+        assert runner.dtype == torch.float32
+        assert runner.kv_cache_dtype == expected
+        assert all(t.dtype == expected for kv in runner.kv_caches for t in kv)

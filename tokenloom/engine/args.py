@@ -398,7 +398,8 @@ class EngineArgs:
             "--kv-cache-dtype",
             choices=["auto", "float32", "bfloat16", "float16"],
             default=d.kv_cache_dtype,
-            help="dtype of the KV cache (auto: the model's); 16 bits halve what decoding reads",
+            help="dtype of the KV cache (auto: the model's; bfloat16 for quantized weights); "
+            "16 bits halve what decoding reads",
         )
         return parser
 

@@ -45,6 +45,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     path: Path
+    quantized: bool = False  # matrices kept quantized (dtype is then what they compute in)
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -112,4 +113,6 @@ def load_model(
         from tokenloom.distributed.parallel_layers import parallelize
 
         parallelize(model, shard, arch.vocab_size)
-    return LoadedModel(model=model, arch=arch, dtype=dtype, device=device, path=path)
+    return LoadedModel(
+        model=model, arch=arch, dtype=dtype, device=device, path=path, quantized=bool(quantization)
+    )

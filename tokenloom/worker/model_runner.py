@@ -92,7 +92,9 @@ class ModelRunner:
         self.device = loaded.device
         self.model_path = loaded.path
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.arch)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(cache_config.cache_dtype, self.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            cache_config.cache_dtype, self.dtype, loaded.quantized
+        )
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)
         # The draft model (if any) loads before sizing, so its weights are already out
