@@ -305,10 +305,14 @@ struct QuantActs {
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         const float* row = x + m * x_stride;
-        if (w.bits == 4) {
-          act_group == 8 ? quantize_row<2, 8>(row, cols, m, w) : quantize_row<2, 16>(row, cols, m, w);
+        if (w.bits == 4 && act_group == 8) {
+          quantize_row<2, 8>(row, cols, m, w);
+        } else if (w.bits == 4) {
+          quantize_row<2, 16>(row, cols, m, w);
+        } else if (act_group == 8) {
+          quantize_row<1, 8>(row, cols, m, w);
         } else {
-          act_group == 8 ? quantize_row<1, 8>(row, cols, m, w) : quantize_row<1, 16>(row, cols, m, w);
+          quantize_row<1, 16>(row, cols, m, w);
         }
       }
     });
@@ -513,7 +517,8 @@ template <int Bits, int AG>
 void panel_gemm(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t n_out,
                 float* out) {
   const int64_t panel_bytes = w.words * kPanel * kWordBytes * (Bits == 6 ? 3 : 2) / 2;
-  const int64_t tile_bytes = a.act_groups * kTileM * (a.act_words * sizeof(int32_t) + sizeof(float));
+  const int64_t tile_bytes =
+      a.act_groups * kTileM * (a.act_words * sizeof(int32_t) + sizeof(float));
   const int64_t block_panels = std::max<int64_t>(1, kBlockBytes / panel_bytes);
   const int64_t block_rows = kTileM * std::max<int64_t>(1, kBlockBytes / tile_bytes);
   at::parallel_for(0, (n_out + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
