@@ -107,9 +107,11 @@ class BlockPool:
             return False
         for block in self.blocks:
             block.block_hash = None
-            block.prev_free = block.next_free = None
         self.cached.clear()
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        queue = self.free_queue
+        queue.popleft_n(len(queue))
+        for block in self.blocks[1:]:
+            queue.append(block)
         if self.events is not None:
             self.events.append(AllBlocksCleared())
         return True
