@@ -154,15 +154,19 @@ def test_detects_wrong_attention(monkeypatch: pytest.MonkeyPatch, path: str) -> 
     assert _run(requests, path=path) > 1e-3
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 80, 16), (4, 1, 64, 8), (6, 2, 64, 8)],
 )
 def test_native_kernel_matches_torch_at_model_shapes(
-    heads: int, kv_heads: int, head_dim: int, block_size: int
+    heads: int, kv_heads: int, head_dim: int, block_size: int, cache_dtype: torch.dtype
 ) -> None:
     """The kernel's specialised head sizes and whole-tile paths (the small shapes
-    above take its generic ones) agree with the torch path on decodes and chunks."""
+    above take its generic ones) agree with the torch path on decodes and chunks,
+    over a float32 cache and a bfloat16 one (whose rows the kernel reads in pairs
+    where the head size allows). K/V values are the cache dtype's, so that the
+    torch path's fresh chunk, which skips the cache, sees the same keys."""
     if NATIVE_OP is None:
         pytest.fail("the native CPU attention kernel did not build on this machine")
     g = torch.Generator().manual_seed(7)
@@ -181,10 +185,10 @@ def test_native_kernel_matches_torch_at_model_shapes(
     )
     tokens = sum(query_lens)
     q = torch.randn(tokens, heads, head_dim, generator=g)
-    k = torch.randn(tokens, kv_heads, head_dim, generator=g)
-    v = torch.randn(tokens, kv_heads, head_dim, generator=g)
-    k_cache = torch.randn(num_blocks, kv_heads, head_dim, block_size, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=g).to(cache_dtype).float()
+    v = torch.randn(tokens, kv_heads, head_dim, generator=g).to(cache_dtype).float()
+    k_cache = torch.randn(num_blocks, kv_heads, head_dim, block_size, generator=g).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(cache_dtype)
     outs = []
     for op in (None, NATIVE_OP):
         meta = AttentionMetadata.build(query_lens, seq_lens, table, slots, block_size, op)
