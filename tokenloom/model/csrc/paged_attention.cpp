@@ -30,6 +30,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
 #include <omp.h>
 #include <sched.h>
 
@@ -54,9 +55,16 @@ typedef _Float16 fp16_lanes __attribute__((vector_size(kLanes * 2), aligned(2)))
 
 inline vec load_kv(const float* p) { return load(p); }
 inline vec load_kv(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  // GCC widens the vector type below in halves (two vpmovzxwd and an insert).
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  return reinterpret_cast<const vec&>(bits);
+#else
   const uint_lanes bits = __builtin_convertvector(*reinterpret_cast<const half_lanes*>(p), uint_lanes)
                           << 16;
   return reinterpret_cast<const vec&>(bits);
+#endif
 }
 inline vec load_kv(const c10::Half* p) {
   return __builtin_convertvector(*reinterpret_cast<const fp16_lanes*>(p), vec);
@@ -75,13 +83,20 @@ template <int64_t D, typename T>
 constexpr bool kPaired = std::is_same_v<T, c10::BFloat16> && D % (2 * kLanes) == 0;
 
 typedef uint32_t pair_half __attribute__((vector_size(kLanes * 2), aligned(2)));
+typedef uint32_t pair_lanes __attribute__((vector_size(kLanes * 4), aligned(2)));
 
-// Elements 0, 2, .. 14 of a then of b (`even`), and 1, 3, .. 15 of each (`odd`).
+// Elements 0, 2, .. 14 of a then of b (`even`), and 1, 3, .. 15 of each
+// (`odd`). Adjacent: b is a + 16, one load (GCC does not merge two).
+template <bool Adjacent>
 inline void load_pairs(const c10::BFloat16* a, const c10::BFloat16* b, vec& even, vec& odd) {
-  const pair_half lo = *reinterpret_cast<const pair_half*>(a);
-  const pair_half hi = *reinterpret_cast<const pair_half*>(b);
-  const uint_lanes both =
-      __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  uint_lanes both;
+  if constexpr (Adjacent) {
+    both = *reinterpret_cast<const pair_lanes*>(a);
+  } else {
+    const pair_half lo = *reinterpret_cast<const pair_half*>(a);
+    const pair_half hi = *reinterpret_cast<const pair_half*>(b);
+    both = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
   const uint_lanes first = both << 16, second = both & 0xffff0000u;
   even = reinterpret_cast<const vec&>(first);
   odd = reinterpret_cast<const vec&>(second);
@@ -147,12 +162,28 @@ struct Problem {
   int64_t work;  // multiply-adds of the whole batch (scores and value sums)
 };
 
+// score_tile's products over paired keys: acc[h][0] gathers the tile's even
+// keys (lanes 0-7 from even d, 8-15 from odd d) and acc[h][1] the odd ones.
+// Adjacent: row d + 1 follows row d (rows of 16 keys).
+template <int64_t D, int64_t HEADS, bool Adjacent>
+inline void score_paired_rows(const float* __restrict q, const c10::BFloat16* __restrict k_rows,
+                              int64_t row_stride, vec (&acc)[HEADS][2]) {
+#pragma GCC unroll 4
+  for (int64_t d = 0; d < D; d += 2) {
+    vec even, odd;
+    load_pairs<Adjacent>(k_rows + d * row_stride, k_rows + (d + 1) * row_stride, even, odd);
+    for (int64_t h = 0; h < HEADS; ++h) {
+      const vec qd = load(q + h * kQueryFloats<D, true> + d / 2 * kLanes);
+      acc[h][0] += even * qd;
+      acc[h][1] += odd * qd;
+    }
+  }
+}
+
 // Scores of 16 consecutive keys for HEADS query heads of one KV group. K blocks
 // are [Hkv, D, block_size] (see model/kv_cache.py): row d of the tile holds
 // dimension d of the 16 keys, so each row load feeds one FMA per head. Two
 // accumulators per head (even and odd d) hide the FMA latency.
-// With paired keys, acc[h][0] gathers the even keys (lanes 0-7 from even d,
-// 8-15 from odd d) and acc[h][1] the odd ones, which the end puts back in order.
 template <int64_t D, int64_t HEADS, bool PairedKeys, typename T>
 inline void score_tile(const float* __restrict q, const T* __restrict k_rows, int64_t row_stride,
                        float* __restrict scores, int64_t scores_stride) {
@@ -160,15 +191,10 @@ inline void score_tile(const float* __restrict q, const T* __restrict k_rows, in
   vec acc[HEADS][2];
   for (int64_t h = 0; h < HEADS; ++h) acc[h][0] = acc[h][1] = vec{};
   if constexpr (PairedKeys) {
-#pragma GCC unroll 4
-    for (int64_t d = 0; d < D; d += 2) {
-      vec even, odd;
-      load_pairs(k_rows + d * row_stride, k_rows + (d + 1) * row_stride, even, odd);
-      for (int64_t h = 0; h < HEADS; ++h) {
-        const vec qd = load(q + h * kQueryFloats<D, true> + d / 2 * kLanes);
-        acc[h][0] += even * qd;
-        acc[h][1] += odd * qd;
-      }
+    if (row_stride == kLanes) {
+      score_paired_rows<D, HEADS, true>(q, k_rows, row_stride, acc);
+    } else {
+      score_paired_rows<D, HEADS, false>(q, k_rows, row_stride, acc);
     }
     for (int64_t h = 0; h < HEADS; ++h) {
       store(scores + h * scores_stride,
@@ -208,7 +234,7 @@ struct ValueSum {
   static inline void load_row(const T* __restrict row, vec (&out)[kChunks]) {
     if constexpr (kPaired<D, T>) {
       for (int64_t c = 0; c < kChunks; c += 2)
-        load_pairs(row + c * kLanes, row + (c + 1) * kLanes, out[c], out[c + 1]);
+        load_pairs<true>(row + c * kLanes, row + (c + 1) * kLanes, out[c], out[c + 1]);
     } else {
       for (int64_t c = 0; c < kChunks; ++c) out[c] = load_kv(row + c * kLanes);
     }
