@@ -1,0 +1,265 @@
+"""Two builds of the native kernels in one process, alternating: a git
+revision's sources against the working tree's.
+
+On a shared machine, runs of a whole workload a few minutes apart differ by
+more than most kernel changes gain. Here both builds are loaded side by side
+(each under its own op namespace) and every case times one, then the other,
+round after round; the table gives medians over the rounds of each case's
+best of 5 calls, and whether the two builds' outputs are bit for bit equal.
+
+- ``attention`` (``model/csrc/paged_attention.cpp``), the default model's
+  heads (9 query heads, 3 KV heads of 64), blocks of 16 on huge pages, 80% of
+  a request's blocks following its previous one as in a busy engine:
+  decodes over ``--layers`` layers' caches (so that K/V come from DRAM),
+  one layer's (from L3), a batch-1 decode whose caches are evicted before
+  every layer as a step's weights evict them, and a 2,048-token prompt step
+  of fresh chunks (lengths log-uniform in 32-512). bfloat16 caches (what
+  quantized weights serve with), the prompt step also float32.
+- ``quant`` (``quantization/csrc/quant_linear.cpp``): the default model's
+  matrices (layer 3's four and the LM head) at 2,048, 128, 16 and 1 rows.
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/kernel_ab.py --base HEAD~2 [--kernels attention quant] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tokenloom.model import huge_pages  # noqa: E402
+from tokenloom.model.cpu_kernels import _CFLAGS  # noqa: E402
+
+# Per kernel: its sources (the first is compiled, the rest are its includes)
+# and the op namespaces its TORCH_LIBRARY blocks register.
+KERNELS = {
+    "attention": (
+        ["tokenloom/model/csrc/paged_attention.cpp", "tokenloom/model/csrc/vec.h"],
+        "tokenloom_cpu",
+    ),
+    "quant": (
+        [
+            "tokenloom/quantization/csrc/quant_linear.cpp",
+            "tokenloom/quantization/csrc/quant_matrix.h",
+            "tokenloom/model/csrc/vec.h",
+        ],
+        "tokenloom_quant",
+    ),
+}
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+Case = Callable[[Any], torch.Tensor]
+
+
+def build(kernel: str, rev: str | None, tag: str) -> Any:
+    """Loads ``kernel``'s sources at ``rev`` (None: the working tree) as the
+    namespace ``<namespace>_<tag>``; returns that namespace's ops."""
+    from torch.utils import cpp_extension
+
+    sources, namespace = KERNELS[kernel]
+    texts = {}
+    for path in sources:
+        if rev is None:
+            text = (ROOT / path).read_text()
+        else:
+            text = subprocess.run(
+                ["git", "show", f"{rev}:{path}"],
+                cwd=ROOT,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+        for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_IMPL"):
+            text = text.replace(f"{macro}({namespace},", f"{macro}({namespace}_{tag},")
+        texts[path] = text
+    digest = hashlib.sha256("".join(texts.values()).encode()).hexdigest()[:12]
+    tree = Path.home() / ".cache" / "tokenloom" / "kernel_ab" / digest
+    for path, text in texts.items():
+        (tree / path).parent.mkdir(parents=True, exist_ok=True)
+        (tree / path).write_text(text)
+    cpp_extension.load(
+        name=f"{kernel}_ab_{digest}",
+        sources=[str(tree / sources[0])],
+        extra_cflags=_CFLAGS,
+        build_directory=str(tree),
+        is_python_module=False,
+    )
+    return getattr(torch.ops, f"{namespace}_{tag}")
+
+
+def adjacent_tables(
+    requests: int, context: int, num_blocks: int, rng: random.Random
+) -> torch.Tensor:
+    """Block tables whose blocks mostly (80%) follow the previous one."""
+    per = -(-context // BLOCK)
+    rows = []
+    for _ in range(requests):
+        block, row = 0, []
+        for i in range(per):
+            block = (
+                rng.randrange(1, num_blocks - per) if i == 0 or rng.random() > 0.8 else block + 1
+            )
+            row.append(block)
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def decode_case(requests: int, context: int, layers: int, evict: bool = False) -> Case:
+    """``requests`` decodes of ``context`` tokens, one call per layer; with
+    ``evict``, the caches leave the CPU's caches before each layer's call
+    (only the calls are timed)."""
+    rng = random.Random(0)
+    num_blocks = 2 * requests * -(-context // BLOCK) + 1
+    table = adjacent_tables(requests, context, num_blocks, rng)
+    caches = []
+    for _ in range(layers):
+        k = huge_pages.zeros((num_blocks, KV_HEADS, HEAD_DIM, BLOCK), torch.bfloat16, "cpu")
+        v = huge_pages.zeros((num_blocks, BLOCK, KV_HEADS, HEAD_DIM), torch.bfloat16, "cpu")
+        k.copy_(torch.randn(k.shape))
+        v.copy_(torch.randn(v.shape))
+        caches.append((k, v))
+    q = torch.randn(requests, HEADS, HEAD_DIM)
+    out = torch.empty_like(q)
+    rows, ones = torch.arange(requests, dtype=torch.int32), torch.ones(requests, dtype=torch.int32)
+    seq_lens = torch.full((requests,), context, dtype=torch.int32)
+    evictor = torch.ones(48 << 20) if evict else None
+
+    def run(ops: Any) -> torch.Tensor:
+        elapsed = 0.0
+        for k, v in caches:
+            if evictor is not None:
+                evictor.mul_(1.0)
+            start = time.perf_counter()
+            ops.paged_attention(out, q, k, v, table, rows, rows, ones, seq_lens, HEAD_DIM**-0.5)
+            elapsed += time.perf_counter() - start
+        run.elapsed = elapsed  # type: ignore[attr-defined]
+        return out
+
+    return run
+
+
+def prefill_case(dtype: torch.dtype) -> Case:
+    """One 2,048-token step of fresh prompt chunks in one call."""
+    rng = random.Random(0)
+    lengths: list[int] = []
+    while sum(lengths) < 2048:
+        drawn = int(math.exp(rng.uniform(math.log(32), math.log(512))))
+        lengths.append(min(drawn, 2048 - sum(lengths)))
+    blocks = [-(-n // BLOCK) for n in lengths]
+    num_blocks = sum(blocks) + 1
+    k_cache = torch.randn(num_blocks, KV_HEADS, HEAD_DIM, BLOCK).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
+    table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
+    first = 1
+    for row, n in enumerate(blocks):
+        table[row, :n] = torch.arange(first, first + n)
+        first += n
+    q = torch.randn(sum(lengths), HEADS, HEAD_DIM)
+    out = torch.empty_like(q)
+    starts = torch.tensor([sum(lengths[:i]) for i in range(len(lengths))], dtype=torch.int32)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    rows = torch.arange(len(lengths), dtype=torch.int32)
+
+    def run(ops: Any) -> torch.Tensor:
+        ops.paged_attention(
+            out, q, k_cache, v_cache, table, rows, starts, lens, lens, HEAD_DIM**-0.5
+        )
+        return out
+
+    return run
+
+
+def attention_cases(layers: int) -> dict[str, Case]:
+    return {
+        f"decode 128 x 200 tokens, {layers} layers": decode_case(128, 200, layers),
+        "decode 128 x 200 tokens, 1 layer": decode_case(128, 200, 1),
+        f"decode 22 x 550 tokens, {layers} layers": decode_case(22, 550, layers),
+        "decode 1 x 200 tokens, evicted, 30 layers": decode_case(1, 200, 30, evict=True),
+        "prompt step, bfloat16 cache": prefill_case(torch.bfloat16),
+        "prompt step, float32 cache": prefill_case(torch.float32),
+    }
+
+
+def quant_cases() -> dict[str, Case]:
+    from tokenloom.config import ModelConfig
+    from tokenloom.model.loader import load_model
+    from tokenloom.quantization.linear import QuantLinear
+
+    model = load_model(ModelConfig(model=None)).model
+    weights = {
+        name.rsplit(".", 1)[-1]: module.qweight
+        for name, module in model.named_modules()
+        if isinstance(module, QuantLinear)
+        and (name.startswith("layers.3.") or name == "logits_head")
+    }
+    generator = torch.Generator().manual_seed(0)
+    cases: dict[str, Case] = {}
+    for name, weight in weights.items():
+        for rows in (2048, 128, 16, 1):
+            if name == "logits_head" and rows > 128:
+                continue
+            x = torch.randn(rows, weight.in_features, generator=generator)
+            cases[f"{name}, {rows} rows"] = matmul_case(x, weight.kernel_args())
+    return cases
+
+
+def matmul_case(x: torch.Tensor, args: tuple[object, ...]) -> Case:
+    def run(ops: Any) -> torch.Tensor:
+        return ops.quant_linear(x, *args)
+
+    return run
+
+
+def best_ms(case: Case, ops: Any) -> tuple[float, torch.Tensor]:
+    case(ops)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        out = case(ops)
+        times.append(getattr(case, "elapsed", time.perf_counter() - start))
+    return min(times) * 1e3, out.clone()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", default="HEAD", help="git revision to compare against")
+    parser.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--layers", type=int, default=8)
+    args = parser.parse_args()
+    print(f"threads {torch.get_num_threads()}; base {args.base} against the working tree")
+    print("| case | base ms | work ms | base / work | same outputs |\n|---|---:|---:|---:|---|")
+    for kernel in args.kernels:
+        builds = [build(kernel, args.base, "base"), build(kernel, None, "work")]
+        cases = attention_cases(args.layers) if kernel == "attention" else quant_cases()
+        times: dict[str, list[list[float]]] = {name: [[], []] for name in cases}
+        same: dict[str, bool] = {}
+        for _ in range(args.rounds):
+            for name, case in cases.items():
+                outs = []
+                for i, ops in enumerate(builds):
+                    ms, out = best_ms(case, ops)
+                    times[name][i].append(ms)
+                    outs.append(out)
+                same[name] = same.get(name, True) and torch.equal(outs[0], outs[1])
+        for name, (base, work) in times.items():
+            b, w = statistics.median(base), statistics.median(work)
+            print(
+                f"| {kernel}: {name} | {b:.3f} | {w:.3f} | {b / w:.3f} | {'yes' if same[name] else 'no'} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
