@@ -92,22 +92,29 @@ def decode_case(
     return run, kv_bytes * layers
 
 
-def prefill_case(op: Callable[..., None], seed: int) -> dict[str, Callable[[], object]]:
-    """A 2,048-token step of fresh chunks: the native kernel in one call, SDPA per chunk."""
+def prompt_step(seed: int) -> tuple[list[int], torch.Tensor, int]:
+    """A 2,048-token step of fresh prompt chunks, lengths log-uniform in 32-512:
+    the lengths, their block table (each chunk's blocks in a row from block 1)
+    and the number of blocks a cache for them needs."""
     rng = random.Random(seed)
     lengths: list[int] = []
     while sum(lengths) < 2048:
         drawn = int(math.exp(rng.uniform(math.log(32), math.log(512))))
         lengths.append(min(drawn, 2048 - sum(lengths)))
     blocks = [-(-n // BLOCK) for n in lengths]
-    num_blocks = sum(blocks) + 1
-    k_cache = torch.randn(num_blocks, KV_HEADS, HEAD_DIM, BLOCK)
-    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
     table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
     first = 1
     for row, n in enumerate(blocks):
         table[row, :n] = torch.arange(first, first + n)
         first += n
+    return lengths, table, first
+
+
+def prefill_case(op: Callable[..., None], seed: int) -> dict[str, Callable[[], object]]:
+    """A 2,048-token step of fresh chunks: the native kernel in one call, SDPA per chunk."""
+    lengths, table, num_blocks = prompt_step(seed)
+    k_cache = torch.randn(num_blocks, KV_HEADS, HEAD_DIM, BLOCK)
+    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
     tokens = sum(lengths)
     q = torch.randn(tokens, HEADS, HEAD_DIM)
     out = torch.empty_like(q)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import math
 import random
 import statistics
 import subprocess
@@ -39,6 +38,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from attention_kernels import BLOCK, HEAD_DIM, HEADS, KV_HEADS, prompt_step  # noqa: E402
 
 from tokenloom.model import huge_pages  # noqa: E402
 from tokenloom.model.cpu_kernels import _CFLAGS  # noqa: E402
@@ -59,7 +60,6 @@ KERNELS = {
         "tokenloom_quant",
     ),
 }
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 Case = Callable[[Any], torch.Tensor]
 
 
@@ -152,20 +152,9 @@ def decode_case(requests: int, context: int, layers: int, evict: bool = False) -
 
 def prefill_case(dtype: torch.dtype) -> Case:
     """One 2,048-token step of fresh prompt chunks in one call."""
-    rng = random.Random(0)
-    lengths: list[int] = []
-    while sum(lengths) < 2048:
-        drawn = int(math.exp(rng.uniform(math.log(32), math.log(512))))
-        lengths.append(min(drawn, 2048 - sum(lengths)))
-    blocks = [-(-n // BLOCK) for n in lengths]
-    num_blocks = sum(blocks) + 1
+    lengths, table, num_blocks = prompt_step(seed=0)
     k_cache = torch.randn(num_blocks, KV_HEADS, HEAD_DIM, BLOCK).to(dtype)
     v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
-    table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
-    first = 1
-    for row, n in enumerate(blocks):
-        table[row, :n] = torch.arange(first, first + n)
-        first += n
     q = torch.randn(sum(lengths), HEADS, HEAD_DIM)
     out = torch.empty_like(q)
     starts = torch.tensor([sum(lengths[:i]) for i in range(len(lengths))], dtype=torch.int32)
