@@ -12,7 +12,8 @@ best of 5 calls, and whether the two builds' outputs are bit for bit equal.
   a request's blocks following its previous one as in a busy engine:
   decodes over ``--layers`` layers' caches (so that K/V come from DRAM),
   one layer's (from L3), a batch-1 decode whose caches are evicted before
-  every layer as a step's weights evict them, and a 2,048-token prompt step
+  every layer as a step's weights evict them (with everything else the
+  kernel touches, its scratch too: harsher than a step), a 2,048-token prompt step
   of fresh chunks (lengths log-uniform in 32-512). bfloat16 caches (what
   quantized weights serve with), the prompt step also float32.
 - ``quant`` (``quantization/csrc/quant_linear.cpp``): the default model's
