@@ -406,10 +406,10 @@ void attend_heads(const Problem<T>& p, const Task& task, int64_t head, Scratch& 
   const KeyStream<D, T> stream{p, blocks, head / p.group, n, 1};
   for (int64_t i = 0; i < kAheadKeys; i += kLanes) stream.prefetch(i);
   for (int64_t first = 0; first < n; first += block_size) {
-    score_block<D, HEADS, kPaired<D, T>>(q, stream.k_block(first / block_size), block_size,
-                          std::min(block_size, n - first), scores + first, stride,
-                          reinterpret_cast<T*>(scratch.tile.data()),
-                          [&](int64_t t0) { stream.prefetch(first + t0 + kAheadKeys); });
+    score_block<D, HEADS, kPaired<D, T>>(
+        q, stream.k_block(first / block_size), block_size, std::min(block_size, n - first),
+        scores + first, stride, reinterpret_cast<T*>(scratch.tile.data()),
+        [&](int64_t t0) { stream.prefetch(first + t0 + kAheadKeys); });
   }
   float inv_denominators[HEADS];
   softmax_rows(scores, stride, n, stream.values, HEADS, inv_denominators);
@@ -456,11 +456,12 @@ void attend_blocks(const Problem<T>& p, const Task& task, Scratch& scratch) {
     // heads of 64) shared L1 with the K/V streaming through, and 128 decodes
     // ran 5% slower. The values, which need no query, are paired.
     for (int64_t g = 0; g < groups; ++g) {
-      score_block<D, HEADS, false>(scratch.q.data() + g * HEADS * D, k_block + g * D * block_size,
-                            block_size, in_block, scores + g * HEADS * stride + first, stride,
-                            reinterpret_cast<T*>(scratch.tile.data()), [&](int64_t t0) {
-                              if (g == 0) stream.prefetch(first + t0 + kAheadBlockKeys);
-                            });
+      score_block<D, HEADS, false>(
+          scratch.q.data() + g * HEADS * D, k_block + g * D * block_size, block_size, in_block,
+          scores + g * HEADS * stride + first, stride, reinterpret_cast<T*>(scratch.tile.data()),
+          [&](int64_t t0) {
+            if (g == 0) stream.prefetch(first + t0 + kAheadBlockKeys);
+          });
     }
   }
   float inv_denominators[kMaxBlockGroups * HEADS];
