@@ -12,7 +12,8 @@
 //
 // Layouts (contiguous; q and out float32, the caches float32, bfloat16 or
 // float16: a 16-bit cache is converted to float32 as it is loaded, which halves
-// the bytes a decode reads; the arithmetic stays float32):
+// the bytes a decode reads; the arithmetic stays float32, but for a bfloat16
+// cache on CPUs with AVX512_BF16, see kBf16Dot):
 //   out, q          [T, H, D]             flat batch of query tokens
 //   k_cache         [num_blocks, Hkv, D, block_size]  (keys transposed per block)
 //   v_cache         [num_blocks, block_size, Hkv, D]
@@ -70,17 +71,52 @@ inline vec load_kv(const c10::Half* p) {
   return __builtin_convertvector(*reinterpret_cast<const fp16_lanes*>(p), vec);
 }
 
-// A bfloat16 cache is read two rows at a time: 32 elements as 16 32-bit lanes
-// of two neighbours each. Shifting a lane left by 16 gives its first element as
-// a float32 and masking gives its second, where widening every 16 elements took
-// a lane-crossing vpmovzxwd and a shift: the bf16 cache's prompt attention ran
-// 1.7x slower than a float32 cache's. Paired vectors hold the even elements of
-// the two rows in one vector and the odd ones in another, so the math around
-// them works on that order (queries and value sums below); each lane sees the
-// same products in the same order, so results are those of load_kv bit for bit.
-// Head sizes that are not whole 32-element rows keep load_kv.
+// Without AVX512_BF16 (kBf16Dot below), a bfloat16 cache is read two rows at a
+// time: 32 elements as 16 32-bit lanes of two neighbours each. Shifting a lane
+// left by 16 gives its first element as a float32 and masking gives its second,
+// where widening every 16 elements took a lane-crossing vpmovzxwd and a shift:
+// the bf16 cache's prompt attention ran 1.7x slower than a float32 cache's.
+// Paired vectors hold the even elements of the two rows in one vector and the
+// odd ones in another, so the math around them works on that order (queries and
+// value sums below); each lane sees the same products in the same order, so
+// results are those of load_kv bit for bit. Head sizes that are not whole
+// 32-element rows keep load_kv.
 template <int64_t D, typename T>
-constexpr bool kPaired = std::is_same_v<T, c10::BFloat16> && D % (2 * kLanes) == 0;
+constexpr bool kWholeRowPairs = std::is_same_v<T, c10::BFloat16> && D % (2 * kLanes) == 0;
+
+// With AVX512_BF16 a bfloat16 cache is not converted at all: vdpbf16ps
+// multiplies pairs of bfloat16 elements and adds both products to a float32
+// lane, one instruction where the conversion and two FMAs took three or more,
+// on the FMA pipes that bound the prompt's attention. Its other operand is
+// bfloat16 too: queries (times the score scale) and softmax numerators are
+// rounded to bfloat16, to nearest even, as vLLM's bfloat16 attention rounds them;
+// the scores and value sums accumulate in float32. Keys pair two dimensions of
+// one key (a vpermw interleaves two rows of a K tile), values two keys' same
+// dimension (vpunpck{l,h}wd interleave two V rows, and the sums are put back in
+// order at the end).
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kBf16DotBuilt = true;
+template <int64_t D, typename T>
+constexpr bool kBf16Dot = kWholeRowPairs<D, T>;
+#else
+constexpr bool kBf16DotBuilt = false;
+template <int64_t D, typename T>
+constexpr bool kBf16Dot = false;
+#endif
+
+template <int64_t D, typename T>
+constexpr bool kPaired = kWholeRowPairs<D, T> && !kBf16Dot<D, T>;
+
+// How score_tile reads a head's queries: floats, floats per pair of rows
+// (kPaired), or bfloat16 pairs of dimensions (kBf16Dot).
+enum class Queries { kFloats, kPairedRows, kBf16Pairs };
+
+// A prompt unit's layout, and a whole decode's (which never pairs rows: below).
+template <int64_t D, typename T>
+constexpr Queries kUnitQueries =
+    kBf16Dot<D, T> ? Queries::kBf16Pairs : (kPaired<D, T> ? Queries::kPairedRows : Queries::kFloats);
+template <int64_t D, typename T>
+constexpr Queries kDecodeQueries = kBf16Dot<D, T> ? Queries::kBf16Pairs : Queries::kFloats;
 
 typedef uint32_t pair_half __attribute__((vector_size(kLanes * 2), aligned(2)));
 typedef uint32_t pair_lanes __attribute__((vector_size(kLanes * 4), aligned(2)));
@@ -113,17 +149,28 @@ inline vec unpair(vec even, vec odd) {
                                  o + 23);
 }
 
-// Floats of one head's queries as score_tile reads them: D, or with paired
-// keys, per pair of dimensions (d, d + 1) a vector of eight q[d] then eight
-// q[d + 1], matching the two rows of a paired load.
-template <int64_t D, bool PairedKeys>
-constexpr int64_t kQueryFloats = PairedKeys ? D / 2 * kLanes : D;
+// Floats of one head's queries as score_tile reads them: D; with paired rows,
+// per pair of dimensions (d, d + 1) a vector of eight q[d] then eight q[d + 1],
+// matching the two rows of a paired load; as bfloat16 pairs, D / 2 words of
+// q[d] (low half) and q[d + 1].
+template <int64_t D, Queries L>
+constexpr int64_t kQueryFloats =
+    L == Queries::kPairedRows ? D / 2 * kLanes : (L == Queries::kBf16Pairs ? D / 2 : D);
 
 // Writes `heads` heads' queries from q, times scale, in kQueryFloats layout.
-template <int64_t D, bool PairedKeys>
+template <int64_t D, Queries L>
 void prepare_queries(const float* q, int64_t heads, float scale, float* out) {
-  for (int64_t h = 0; h < heads; ++h, q += D, out += kQueryFloats<D, PairedKeys>) {
-    if constexpr (PairedKeys) {
+  for (int64_t h = 0; h < heads; ++h, q += D, out += kQueryFloats<D, L>) {
+    if constexpr (L == Queries::kBf16Pairs) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+      // The pairs are the queries' bfloat16 values in order, 32 per conversion.
+      for (int64_t d = 0; d < D; d += 2 * kLanes) {
+        const __m512 low = _mm512_mul_ps(_mm512_loadu_ps(q + d), _mm512_set1_ps(scale));
+        const __m512 high = _mm512_mul_ps(_mm512_loadu_ps(q + d + kLanes), _mm512_set1_ps(scale));
+        _mm512_storeu_si512(out + d / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
+      }
+#endif
+    } else if constexpr (L == Queries::kPairedRows) {
       for (int64_t d = 0; d < D; d += 2) {
         const vec first = vec{} + q[d] * scale, second = vec{} + q[d + 1] * scale;
         store(out + d / 2 * kLanes, __builtin_shufflevector(first, second, 0, 1, 2, 3, 4, 5, 6, 7,
@@ -173,24 +220,70 @@ inline void score_paired_rows(const float* __restrict q, const c10::BFloat16* __
     vec even, odd;
     load_pairs<Adjacent>(k_rows + d * row_stride, k_rows + (d + 1) * row_stride, even, odd);
     for (int64_t h = 0; h < HEADS; ++h) {
-      const vec qd = load(q + h * kQueryFloats<D, true> + d / 2 * kLanes);
+      const vec qd = load(q + h * kQueryFloats<D, Queries::kPairedRows> + d / 2 * kLanes);
       acc[h][0] += even * qd;
       acc[h][1] += odd * qd;
     }
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// score_tile with vdpbf16ps: lane t of a product is key t's dimensions d and
+// d + 1 against the head's pair of queries.
+template <int64_t D, int64_t HEADS>
+inline void score_bf16_pairs(const float* __restrict q, const c10::BFloat16* __restrict k_rows,
+                             int64_t row_stride, vec (&acc)[HEADS][2]) {
+  // Word 2t of the interleaved vector is key t of row d, word 2t + 1 that of row d + 1.
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(q);
+  const auto two_rows = [&](int64_t d) {
+    const c10::BFloat16* row = k_rows + d * row_stride;
+    const __m512i rows =
+        row_stride == kLanes
+            ? _mm512_loadu_si512(row)
+            : _mm512_inserti64x4(
+                  _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row))),
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + row_stride)), 1);
+    return reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(interleave, rows));
+  };
+  // Two pairs of rows per step, one per accumulator.
+#pragma GCC unroll 2
+  for (int64_t d = 0; d < D; d += 4) {
+    const __m512bh first = two_rows(d), second = two_rows(d + 2);
+    for (int64_t h = 0; h < HEADS; ++h) {
+      const uint32_t* qh = pairs + h * (D / 2) + d / 2;
+      acc[h][0] = reinterpret_cast<vec>(_mm512_dpbf16_ps(
+          reinterpret_cast<__m512>(acc[h][0]), first,
+          reinterpret_cast<__m512bh>(_mm512_set1_epi32(qh[0]))));
+      acc[h][1] = reinterpret_cast<vec>(_mm512_dpbf16_ps(
+          reinterpret_cast<__m512>(acc[h][1]), second,
+          reinterpret_cast<__m512bh>(_mm512_set1_epi32(qh[1]))));
+    }
+  }
+}
+#endif
+
 // Scores of 16 consecutive keys for HEADS query heads of one KV group. K blocks
 // are [Hkv, D, block_size] (see model/kv_cache.py): row d of the tile holds
 // dimension d of the 16 keys, so each row load feeds one FMA per head. Two
 // accumulators per head (even and odd d) hide the FMA latency.
-template <int64_t D, int64_t HEADS, bool PairedKeys, typename T>
+template <int64_t D, int64_t HEADS, Queries L, typename T>
 inline void score_tile(const float* __restrict q, const T* __restrict k_rows, int64_t row_stride,
                        float* __restrict scores, int64_t scores_stride) {
-  static_assert(!PairedKeys || kPaired<D, T>);
+  static_assert(L != Queries::kPairedRows || kPaired<D, T>);
+  static_assert(L != Queries::kBf16Pairs || kBf16Dot<D, T>);
   vec acc[HEADS][2];
   for (int64_t h = 0; h < HEADS; ++h) acc[h][0] = acc[h][1] = vec{};
-  if constexpr (PairedKeys) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (L == Queries::kBf16Pairs) {
+    score_bf16_pairs<D, HEADS>(q, k_rows, row_stride, acc);
+    for (int64_t h = 0; h < HEADS; ++h) store(scores + h * scores_stride, acc[h][0] + acc[h][1]);
+    return;
+  }
+#endif
+  if constexpr (L == Queries::kPairedRows) {
     if (row_stride == kLanes) {
       score_paired_rows<D, HEADS, true>(q, k_rows, row_stride, acc);
     } else {
@@ -283,6 +376,74 @@ struct ValueSum {
   }
 };
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// ValueSum with vdpbf16ps (kBf16Dot): a pair of keys j, j + 1 at a time, each
+// lane of a product their same dimension against the head's pair of softmax
+// numerators. Interleaving two V rows per 128-bit lane leaves, in each 32
+// dimensions' `low` accumulator, dimensions 8i .. 8i + 3 at lanes 4i .. 4i + 3,
+// and in `high` dimensions 8i + 4 .. 8i + 7; store_scaled puts them in order.
+template <int64_t D, int64_t HEADS>
+struct ValueSumBf16 {
+  static constexpr int64_t kChunks = D / (2 * kLanes);  // of 32 dimensions
+  vec low[HEADS][kChunks], high[HEADS][kChunks];
+
+  ValueSumBf16() {
+    for (int64_t h = 0; h < HEADS; ++h)
+      for (int64_t c = 0; c < kChunks; ++c) low[h][c] = high[h][c] = vec{};
+  }
+
+  inline void add(const float* __restrict weights, int64_t weights_stride,
+                  const c10::BFloat16* __restrict v, int64_t v_stride, int64_t count) {
+    // Each head's numerators of these keys (count <= 16) as bfloat16 pairs;
+    // a missing partner of the last key is 0.
+    uint32_t pairs[HEADS][kLanes / 2];
+    const __mmask16 present = static_cast<__mmask16>((1u << count) - 1);
+    for (int64_t h = 0; h < HEADS; ++h) {
+      const __m512 w = _mm512_maskz_loadu_ps(present, weights + h * weights_stride);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs[h]),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(w)));
+    }
+    for (int64_t j = 0; j < count; j += 2) {
+      const c10::BFloat16* first = v + j * v_stride;
+      const c10::BFloat16* second = first + v_stride;
+      for (int64_t c = 0; c < kChunks; ++c) {
+        const __m512i a = _mm512_loadu_si512(first + c * 2 * kLanes);
+        const __m512i b = j + 1 < count ? _mm512_loadu_si512(second + c * 2 * kLanes)
+                                        : _mm512_setzero_si512();
+        const __m512bh lo = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
+        const __m512bh hi = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
+        for (int64_t h = 0; h < HEADS; ++h) {
+          const __m512bh w = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairs[h][j / 2]));
+          low[h][c] = reinterpret_cast<vec>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(low[h][c]), lo, w));
+          high[h][c] =
+              reinterpret_cast<vec>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(high[h][c]), hi, w));
+        }
+      }
+    }
+  }
+
+  inline void store_scaled(float* out, const float* inv_denominators) const {
+    for (int64_t h = 0; h < HEADS; ++h) {
+      for (int64_t c = 0; c < kChunks; ++c) {
+        const vec lo = low[h][c] * inv_denominators[h], hi = high[h][c] * inv_denominators[h];
+        float* dst = out + h * D + c * 2 * kLanes;
+        store(dst, __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21,
+                                           22, 23));
+        store(dst + kLanes, __builtin_shufflevector(lo, hi, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13,
+                                                    14, 15, 28, 29, 30, 31));
+      }
+    }
+  }
+};
+
+template <int64_t D, int64_t HEADS, typename T>
+using ValueSumFor =
+    std::conditional_t<kBf16Dot<D, T>, ValueSumBf16<D, HEADS>, ValueSum<D, HEADS, T>>;
+#else
+template <int64_t D, int64_t HEADS, typename T>
+using ValueSumFor = ValueSum<D, HEADS, T>;
+#endif
+
 // How far ahead of the keys being read their cache lines are requested.
 // Blocks sit anywhere in the cache, so the hardware prefetcher loses the
 // stream at every block's end. The lines are requested key by key, every line
@@ -350,19 +511,19 @@ struct Scratch {
 // multiple of 16) is first copied out and zero-padded; otherwise a tile may
 // cover keys past the context inside the last block: their scores are computed
 // and then discarded.
-template <int64_t D, int64_t HEADS, bool PairedKeys, typename T, typename BeforeTile>
+template <int64_t D, int64_t HEADS, Queries L, typename T, typename BeforeTile>
 inline void score_block(const float* q, const T* k_block, int64_t block_size, int64_t in_block,
                         float* scores, int64_t stride, T* tile, BeforeTile before_tile) {
   for (int64_t t0 = 0; t0 < in_block; t0 += kLanes) {
     before_tile(t0);
     if (t0 + kLanes <= block_size) {
-      score_tile<D, HEADS, PairedKeys>(q, k_block + t0, block_size, scores + t0, stride);
+      score_tile<D, HEADS, L>(q, k_block + t0, block_size, scores + t0, stride);
     } else {
       const int64_t count = std::min(kLanes, in_block - t0);
       std::fill(tile, tile + D * kLanes, T(0.0f));
       for (int64_t d = 0; d < D; ++d)
         for (int64_t i = 0; i < count; ++i) tile[d * kLanes + i] = k_block[d * block_size + t0 + i];
-      score_tile<D, HEADS, PairedKeys>(q, tile, kLanes, scores + t0, stride);
+      score_tile<D, HEADS, L>(q, tile, kLanes, scores + t0, stride);
     }
   }
 }
@@ -400,13 +561,13 @@ template <int64_t D, int64_t HEADS, typename T>
 void attend_heads(const Problem<T>& p, const Task& task, int64_t head, Scratch& scratch) {
   const int64_t n = task.visible, block_size = p.block_size, stride = scratch.stride;
   const int32_t* blocks = p.table + static_cast<int64_t>(p.rows[task.request]) * p.max_blocks;
-  const float* q = scratch.q.data() + head * kQueryFloats<D, kPaired<D, T>>;
+  const float* q = scratch.q.data() + head * kQueryFloats<D, kUnitQueries<D, T>>;
   float* scores = scratch.scores.data() + head * stride;
 
   const KeyStream<D, T> stream{p, blocks, head / p.group, n, 1};
   for (int64_t i = 0; i < kAheadKeys; i += kLanes) stream.prefetch(i);
   for (int64_t first = 0; first < n; first += block_size) {
-    score_block<D, HEADS, kPaired<D, T>>(
+    score_block<D, HEADS, kUnitQueries<D, T>>(
         q, stream.k_block(first / block_size), block_size, std::min(block_size, n - first),
         scores + first, stride, reinterpret_cast<T*>(scratch.tile.data()),
         [&](int64_t t0) { stream.prefetch(first + t0 + kAheadKeys); });
@@ -415,7 +576,7 @@ void attend_heads(const Problem<T>& p, const Task& task, int64_t head, Scratch& 
   softmax_rows(scores, stride, n, stream.values, HEADS, inv_denominators);
 
   // Weighted sum of V. V blocks are [block_size, Hkv, D].
-  ValueSum<D, HEADS, T> value_sum;
+  ValueSumFor<D, HEADS, T> value_sum;
   for (int64_t first = 0; first < n; first += block_size) {
     const T* v = stream.v_block(first / block_size);
     const int64_t in_block = std::min(block_size, n - first);
@@ -452,12 +613,15 @@ void attend_blocks(const Problem<T>& p, const Task& task, Scratch& scratch) {
   for (int64_t first = 0; first < n; first += block_size) {
     const T* k_block = stream.k_block(first / block_size);
     const int64_t in_block = std::min(block_size, n - first);
-    // Keys unpaired: every head's paired queries (8x the floats, 18 KB for 9
-    // heads of 64) shared L1 with the K/V streaming through, and 128 decodes
-    // ran 5% slower. The values, which need no query, are paired.
+    // Without kBf16Dot, rows of keys unpaired: every head's paired queries (8x
+    // the floats, 18 KB for 9 heads of 64) shared L1 with the K/V streaming
+    // through, and 128 decodes ran 5% slower. The values, which need no query,
+    // are paired. With it, queries take D / 2 words a head.
+    constexpr Queries L = kDecodeQueries<D, T>;
     for (int64_t g = 0; g < groups; ++g) {
-      score_block<D, HEADS, false>(
-          scratch.q.data() + g * HEADS * D, k_block + g * D * block_size, block_size, in_block,
+      score_block<D, HEADS, L>(
+          scratch.q.data() + g * HEADS * kQueryFloats<D, L>, k_block + g * D * block_size,
+          block_size, in_block,
           scores + g * HEADS * stride + first, stride, reinterpret_cast<T*>(scratch.tile.data()),
           [&](int64_t t0) {
             if (g == 0) stream.prefetch(first + t0 + kAheadBlockKeys);
@@ -467,7 +631,7 @@ void attend_blocks(const Problem<T>& p, const Task& task, Scratch& scratch) {
   float inv_denominators[kMaxBlockGroups * HEADS];
   softmax_rows(scores, stride, n, stream.values, groups * HEADS, inv_denominators);
 
-  ValueSum<D, HEADS, T> value_sums[kMaxBlockGroups];
+  ValueSumFor<D, HEADS, T> value_sums[kMaxBlockGroups];
   for (int64_t first = 0; first < n; first += block_size) {
     const T* v = stream.v_block(first / block_size);
     const int64_t in_block = std::min(block_size, n - first);
@@ -496,8 +660,9 @@ void attend(const Problem<T>& p, const Task& task, int64_t g, Scratch& scratch) 
   constexpr int64_t max_heads = kMaxHeads<D>;
   const int64_t first = g * p.group, end = (g + 1) * p.group;
   const float* q = p.q + task.token * p.num_heads * D;
-  prepare_queries<D, kPaired<D, T>>(q + first * D, end - first, p.scale,
-                                    scratch.q.data() + first * kQueryFloats<D, kPaired<D, T>>);
+  constexpr Queries L = kUnitQueries<D, T>;
+  prepare_queries<D, L>(q + first * D, end - first, p.scale,
+                        scratch.q.data() + first * kQueryFloats<D, L>);
   for (int64_t head = first; head < end; head += max_heads) {
     switch (std::min(max_heads, end - head)) {
       case 1: attend_heads<D, 1, T>(p, task, head, scratch); break;
@@ -517,7 +682,7 @@ void attend_all_groups(const Problem<T>& p, const Task& task, Scratch& scratch) 
     return;
   }
   const float* q = p.q + task.token * p.num_heads * D;
-  prepare_queries<D, false>(q, p.num_heads, p.scale, scratch.q.data());
+  prepare_queries<D, kDecodeQueries<D, T>>(q, p.num_heads, p.scale, scratch.q.data());
   switch (p.group) {
     case 1: attend_blocks<D, 1, T>(p, task, scratch); break;
     case 2: attend_blocks<D, 2, T>(p, task, scratch); break;
@@ -575,7 +740,8 @@ void run(const Problem<T>& p) {
     Scratch scratch;
     // A tile starting at the last key writes kLanes scores.
     scratch.stride = (p.longest + 2 * kLanes - 1) / kLanes * kLanes;
-    scratch.q.resize(p.num_heads * kQueryFloats<D, kPaired<D, T>>);
+    scratch.q.resize(p.num_heads * std::max(kQueryFloats<D, kUnitQueries<D, T>>,
+                                            kQueryFloats<D, kDecodeQueries<D, T>>));
     scratch.scores.resize(p.num_heads * scratch.stride);
     scratch.tile.resize(D * kLanes);
     for (int64_t u = next++; u < num_units; u = next++)
@@ -760,6 +926,9 @@ void bind_threads(c10::IntArrayRef cpus) {
 
 TORCH_LIBRARY(tokenloom_cpu, m) {
   m.def("bind_threads(int[] cpus) -> ()", &tokenloom::bind_threads);
+  // Whether paged_attention multiplies a bfloat16 cache's elements in bfloat16
+  // pairs (see kBf16Dot), which rounds queries and softmax numerators.
+  m.def("bf16_dot_products() -> bool", []() { return tokenloom::kBf16DotBuilt; });
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor block_table, Tensor table_rows, Tensor query_start, Tensor query_len, "
