@@ -6,11 +6,10 @@ pure-torch path and on the native CPU kernel (which takes short queries)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from tests.model.attention_reference import attend
 from tokenloom.model.attention import (
     NATIVE_MAX_QUERY,
     AttentionMetadata,
@@ -30,17 +29,6 @@ def path(request: pytest.FixtureRequest) -> str:
     if request.param == "native" and NATIVE_OP is None:
         pytest.fail("the native CPU attention kernel did not build on this machine")
     return str(request.param)
-
-
-def _reference(q, k_all, v_all, ctx):
-    """q [n, H, D]; k_all/v_all [ctx + n, HKV, D]; causal offset by ctx."""
-    n, total = q.shape[0], k_all.shape[0]
-    k = k_all.repeat_interleave(H // HKV, dim=1)
-    v = v_all.repeat_interleave(H // HKV, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(D)
-    allowed = torch.arange(total)[None, :] <= (ctx + torch.arange(n))[:, None]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
 def _run(requests: list[dict], seed: int = 0, path: str = "torch") -> float:
@@ -98,7 +86,7 @@ def _run(requests: list[dict], seed: int = 0, path: str = "torch") -> float:
     for req, own, q in zip(requests, blocks, qs, strict=True):
         s, n = req["seq_len"], req["query_len"]
         all_slots = [own[p // BS] * BS + p % BS for p in range(s)]
-        ref = _reference(q, final_k[all_slots], final_v[all_slots], s - n)
+        ref = attend(q, final_k[all_slots], final_v[all_slots], s - n)
         worst = max(worst, (out[start : start + n].view(n, H, D) - ref).abs().max().item())
         start += n
     return worst
@@ -211,28 +199,19 @@ def test_native_kernel_matches_torch_at_model_shapes(
 
 
 def _bf16_pairs_reference(q, k_cache, v_cache, table, query_lens, seq_lens, block_size):
-    """Attention as the kernel computes it over a bfloat16 cache with AVX512_BF16:
-    queries times the score scale, and the softmax numerators, rounded to
-    bfloat16; scores and sums in float32, divided by the unrounded numerators' sum."""
-    heads, kv_heads, head_dim = q.shape[1], k_cache.shape[1], q.shape[2]
-    out = torch.empty_like(q)
-    start = 0
+    """Each request's attention over its cached K/V with bfloat16 products (see
+    attention_reference.attend), the kernel's rounding over a bfloat16 cache with
+    AVX512_BF16."""
+    out, start = [], 0
     for row, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
         pos = torch.arange(seq_len)
         blocks = table[row, pos // block_size].long()
         keys = k_cache[blocks, :, :, pos % block_size].float()  # [seq, Hkv, D]
         values = v_cache[blocks, pos % block_size].float()
-        keys = keys.repeat_interleave(heads // kv_heads, dim=1)
-        values = values.repeat_interleave(heads // kv_heads, dim=1)
-        queries = (q[start : start + query_len] / math.sqrt(head_dim)).bfloat16().float()
-        scores = torch.einsum("qhd,khd->hqk", queries, keys)
-        visible = pos[None, :] <= (seq_len - query_len + torch.arange(query_len))[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        numerators = (scores - scores.amax(-1, keepdim=True)).exp()
-        weights = numerators.bfloat16().float() / numerators.sum(-1, keepdim=True)
-        out[start : start + query_len] = torch.einsum("hqk,khd->qhd", weights, values)
+        queries = q[start : start + query_len]
+        out.append(attend(queries, keys, values, seq_len - query_len, bf16_products=True))
         start += query_len
-    return out
+    return torch.cat(out)
 
 
 @pytest.mark.parametrize("block_size", [16, 4])

@@ -15,11 +15,10 @@ a tie differently, within BF16_PRODUCTS_ATOL."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from tests.model.attention_reference import attend
 from tokenloom.config import CacheConfig
 from tokenloom.engine.args import EngineArgs
 from tokenloom.model.attention import NATIVE_MAX_QUERY, AttentionMetadata, paged_attention, write_kv
@@ -35,24 +34,6 @@ FP16_ATOL = 2e-3
 # (seq_len, query_len): decodes of ragged lengths, a short chunk (native), a long
 # chunk with cached context (torch path), a fresh prompt.
 REQUESTS = [(1, 1), (23, 1), (77, 1), (40, 7), (91, 40), (37, 37)]
-
-
-def _attend_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, bf16_products: bool = False
-) -> torch.Tensor:
-    """q [n, H, D]; k, v [ctx + n, HKV, D] -> [n, H, D], causal offset by ctx (float64).
-    bf16_products: the scaled queries and the softmax numerators rounded to bfloat16."""
-    q = q / math.sqrt(D)
-    if bf16_products:
-        q = q.bfloat16()
-    q, k, v = q.double(), k.double(), v.double()
-    k, v = k.repeat_interleave(H // HKV, dim=1), v.repeat_interleave(H // HKV, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k)
-    allowed = torch.arange(k.shape[0])[None, :] <= (ctx + torch.arange(q.shape[0]))[:, None]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    numerators = (scores - scores.amax(-1, keepdim=True)).exp()
-    weights = numerators.bfloat16().double() if bf16_products else numerators
-    return torch.einsum("hqk,khd->qhd", weights / numerators.sum(-1, keepdim=True), v).float()
 
 
 def _bf16_products(cache_dtype: torch.dtype, native: bool) -> bool:
@@ -109,9 +90,9 @@ def _errors(cache_dtype: torch.dtype, native: bool, seed: int = 0) -> tuple[floa
         else:
             ref_k, ref_v = rounded_k[ctx_slots], rounded_v[ctx_slots]
             products = _bf16_products(cache_dtype, native)
-        rounded_reference = _attend_reference(q, ref_k, ref_v, ctx, products)
+        rounded_reference = attend(q, ref_k, ref_v, ctx, products)
         worst_rounded = max(worst_rounded, (got - rounded_reference).abs().max().item())
-        exact = _attend_reference(q, full_k[ctx_slots], full_v[ctx_slots], ctx)
+        exact = attend(q, full_k[ctx_slots], full_v[ctx_slots], ctx)
         worst_full = max(worst_full, (got - exact).abs().max().item())
     return worst_rounded, worst_full
 

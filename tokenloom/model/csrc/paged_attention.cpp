@@ -95,6 +95,11 @@ constexpr bool kWholeRowPairs = std::is_same_v<T, c10::BFloat16> && D % (2 * kLa
 // dimension (vpunpck{l,h}wd interleave two V rows, and the sums are put back in
 // order at the end).
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TL_BF16_DOT 1
+#else
+#define TL_BF16_DOT 0
+#endif
+#if TL_BF16_DOT
 constexpr bool kBf16DotBuilt = true;
 template <int64_t D, typename T>
 constexpr bool kBf16Dot = kWholeRowPairs<D, T>;
@@ -162,7 +167,7 @@ template <int64_t D, Queries L>
 void prepare_queries(const float* q, int64_t heads, float scale, float* out) {
   for (int64_t h = 0; h < heads; ++h, q += D, out += kQueryFloats<D, L>) {
     if constexpr (L == Queries::kBf16Pairs) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if TL_BF16_DOT
       // The pairs are the queries' bfloat16 values in order, 32 per conversion.
       for (int64_t d = 0; d < D; d += 2 * kLanes) {
         const __m512 low = _mm512_mul_ps(_mm512_loadu_ps(q + d), _mm512_set1_ps(scale));
@@ -227,7 +232,7 @@ inline void score_paired_rows(const float* __restrict q, const c10::BFloat16* __
   }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if TL_BF16_DOT
 // score_tile with vdpbf16ps: lane t of a product is key t's dimensions d and
 // d + 1 against the head's pair of queries.
 template <int64_t D, int64_t HEADS>
@@ -276,7 +281,7 @@ inline void score_tile(const float* __restrict q, const T* __restrict k_rows, in
   static_assert(L != Queries::kBf16Pairs || kBf16Dot<D, T>);
   vec acc[HEADS][2];
   for (int64_t h = 0; h < HEADS; ++h) acc[h][0] = acc[h][1] = vec{};
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if TL_BF16_DOT
   if constexpr (L == Queries::kBf16Pairs) {
     score_bf16_pairs<D, HEADS>(q, k_rows, row_stride, acc);
     for (int64_t h = 0; h < HEADS; ++h) store(scores + h * scores_stride, acc[h][0] + acc[h][1]);
@@ -376,7 +381,7 @@ struct ValueSum {
   }
 };
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if TL_BF16_DOT
 // ValueSum with vdpbf16ps (kBf16Dot): a pair of keys j, j + 1 at a time, each
 // lane of a product their same dimension against the head's pair of softmax
 // numerators. Interleaving two V rows per 128-bit lane leaves, in each 32
@@ -621,9 +626,8 @@ void attend_blocks(const Problem<T>& p, const Task& task, Scratch& scratch) {
     for (int64_t g = 0; g < groups; ++g) {
       score_block<D, HEADS, L>(
           scratch.q.data() + g * HEADS * kQueryFloats<D, L>, k_block + g * D * block_size,
-          block_size, in_block,
-          scores + g * HEADS * stride + first, stride, reinterpret_cast<T*>(scratch.tile.data()),
-          [&](int64_t t0) {
+          block_size, in_block, scores + g * HEADS * stride + first, stride,
+          reinterpret_cast<T*>(scratch.tile.data()), [&](int64_t t0) {
             if (g == 0) stream.prefetch(first + t0 + kAheadBlockKeys);
           });
     }
