@@ -57,6 +57,7 @@ KERNELS = {
             "tokenloom/quantization/csrc/quant_linear.cpp",
             "tokenloom/quantization/csrc/quant_matrix.h",
             "tokenloom/model/csrc/vec.h",
+            "tokenloom/model/csrc/denormals.h",
         ],
         "tokenloom_quant",
     ),
@@ -77,13 +78,13 @@ def build(kernel: str, rev: str | None, tag: str) -> Any:
         if rev is None:
             text = (ROOT / path).read_text()
         else:
-            text = subprocess.run(
-                ["git", "show", f"{rev}:{path}"],
-                cwd=ROOT,
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout
+            shown = subprocess.run(
+                ["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True
+            )
+            if shown.returncode != 0 and path != sources[0]:
+                continue  # an include that revision does not have (nor use)
+            shown.check_returncode()
+            text = shown.stdout
         for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_IMPL"):
             text = text.replace(f"{macro}({namespace},", f"{macro}({namespace}_{tag},")
         texts[path] = text

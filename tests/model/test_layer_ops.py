@@ -55,6 +55,18 @@ def test_silu_and_mul_over_a_wide_range(width: int) -> None:
     assert torch.allclose(out, expected, atol=1e-4, rtol=1e-5)
 
 
+def test_denormal_results_are_flushed_to_zero() -> None:
+    """As the quantized matmul's fused SwiGLU flushes them (denormals.h), whichever
+    thread runs the row and whatever the caller's floating-point mode."""
+    width = 16
+    gate_up = torch.empty(64, 2 * width)  # 64 rows: spread over the threads
+    gate_up[:, :width] = -100.0  # silu(-100) is -100 e^-87 here (e^x stops at -87): normal
+    gate_up[:, width:] = 1e-3  # times 1e-3, about -1.6e-39: below float32's normal range
+    out = torch.full((64, width), float("nan"))
+    torch.ops.tokenloom_cpu.silu_and_mul(out, gate_up)
+    assert torch.equal(out.abs(), torch.zeros(64, width))
+
+
 @pytest.mark.parametrize("head_dim", [64, 40])
 def test_rotary_qk_matches_apply_rope(head_dim: int) -> None:
     g = torch.Generator().manual_seed(head_dim)

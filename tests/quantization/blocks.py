@@ -7,8 +7,11 @@ from typing import NamedTuple
 
 import gguf
 import numpy as np
+import torch
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
+
+from tokenloom.quantization.formats import GroupFactors, QuantizedWeight
 
 # Byte offsets of the fp16 scale fields in each block (the rest is codes), and
 # the largest |code * sub-scale| a weight can reach per unit of those scales.
@@ -33,6 +36,56 @@ def random_gguf(ggml_type: T, n: int, k: int, seed: int = 0, magnitude: float = 
         scale = (rng.uniform(0.3, 1.0, (n, k // block)) * magnitude / reach).astype(np.float16)
         blocks[..., offset : offset + 2] = scale[..., None].view(np.uint8)
     return blocks.reshape(n, -1)
+
+
+# Every (bits, group, with_mins) the native kernel's layouts take.
+LAYOUTS = [
+    (4, 32, True),
+    (4, 32, False),
+    (6, 32, True),
+    (6, 32, False),
+    (6, 16, True),
+    (6, 16, False),
+    (8, 32, False),
+    (8, 32, True),
+    (8, 16, False),
+    (8, 16, True),
+]
+
+
+def random_factors(
+    n: int, groups: int, form: str, magnitude: float, gen: torch.Generator
+) -> GroupFactors:
+    """``form``: float32 or float16 per group, or an fp16 base per ``groups`` (one
+    super-block per row) times int8 codes over their full range."""
+    if form == "coded":
+        base = (torch.rand(n, 1, generator=gen) * magnitude / 64).half()
+        codes = torch.randint(-128, 128, (n, groups), generator=gen, dtype=torch.int8)
+        return GroupFactors(base, codes)
+    values = torch.rand(n, groups, generator=gen) * magnitude
+    return GroupFactors(values.half() if form == "float16" else values)
+
+
+def random_layout(
+    bits: int, group: int, with_mins: bool, form: str, n: int, k: int, gen: torch.Generator
+) -> QuantizedWeight:
+    """An [n, k] weight of random codes over their full range (int8 -128..127, 4
+    bits 0..15, 6 bits 0..63), zero padding past K, and random scales (and
+    negative mins) stored as ``form`` (see ``random_factors``)."""
+    k_pad = -(-k // 32) * 32
+    qhigh = None
+    if bits == 8:
+        qweight = torch.randint(-128, 128, (n, k_pad), generator=gen, dtype=torch.int8)
+    else:
+        qweight = torch.randint(0, 256, (n, k_pad // 2), generator=gen, dtype=torch.uint8)
+    if bits == 6:
+        qhigh = torch.randint(0, 256, (n, k_pad // 4), generator=gen, dtype=torch.uint8)
+    scales = random_factors(n, k_pad // group, form, 0.02, gen)
+    mins = None
+    if with_mins:
+        mins = random_factors(n, k_pad // group, form, 0.1, gen)
+        mins.base = -mins.base
+    return QuantizedWeight(bits, group, k, qweight, scales, mins, qhigh)
 
 
 class LlamaShape(NamedTuple):

@@ -19,10 +19,9 @@ import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from tests.quantization.blocks import random_gguf
+from tests.quantization.blocks import LAYOUTS, random_gguf, random_layout
 from tokenloom.quantization.formats import (
     GGUF_TYPES,
-    GroupFactors,
     QuantizedWeight,
     concat_rows,
     from_gguf,
@@ -107,34 +106,7 @@ def test_native_kernel_matches_reference(ggml_type: T, rows: int) -> None:
     assert_close_fp32(quant_matmul(x, PanelWeight.from_rows(weight), native=False), expected)
 
 
-def random_factors(
-    n: int, groups: int, form: str, magnitude: float, gen: torch.Generator
-) -> GroupFactors:
-    """``form``: float32 or float16 per group, or an fp16 base per ``groups`` (one
-    super-block per row) times int8 codes over their full range."""
-    if form == "coded":
-        base = (torch.rand(n, 1, generator=gen) * magnitude / 64).half()
-        codes = torch.randint(-128, 128, (n, groups), generator=gen, dtype=torch.int8)
-        return GroupFactors(base, codes)
-    values = torch.rand(n, groups, generator=gen) * magnitude
-    return GroupFactors(values.half() if form == "float16" else values)
-
-
-@pytest.mark.parametrize(
-    ("bits", "group", "with_mins"),
-    [
-        (4, 32, True),
-        (4, 32, False),
-        (6, 32, True),
-        (6, 32, False),
-        (6, 16, True),
-        (6, 16, False),
-        (8, 32, False),
-        (8, 32, True),
-        (8, 16, False),
-        (8, 16, True),
-    ],
-)
+@pytest.mark.parametrize(("bits", "group", "with_mins"), LAYOUTS)
 @pytest.mark.parametrize("form", ["float32", "float16", "coded"])
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 45), (37, 96), (70, 200)])
 @pytest.mark.parametrize("rows", [1, 2, 4, 7, 17, 130])
@@ -145,20 +117,7 @@ def test_every_layout_on_odd_shapes(
     0..63), zero padding past K, random scales and mins in each stored form; x
     has some all-zero blocks."""
     gen = torch.Generator().manual_seed(n * k + rows + bits + group)
-    k_pad = -(-k // 32) * 32
-    qhigh = None
-    if bits == 8:
-        qweight = torch.randint(-128, 128, (n, k_pad), generator=gen, dtype=torch.int8)
-    else:
-        qweight = torch.randint(0, 256, (n, k_pad // 2), generator=gen, dtype=torch.uint8)
-    if bits == 6:
-        qhigh = torch.randint(0, 256, (n, k_pad // 4), generator=gen, dtype=torch.uint8)
-    scales = random_factors(n, k_pad // group, form, 0.02, gen)
-    mins = None
-    if with_mins:
-        mins = random_factors(n, k_pad // group, form, 0.1, gen)
-        mins.base = -mins.base
-    weight = QuantizedWeight(bits, group, k, qweight, scales, mins, qhigh)
+    weight = random_layout(bits, group, with_mins, form, n, k, gen)
     x = torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 10
     x[::3, :32] = 0
     check_native(x, weight)

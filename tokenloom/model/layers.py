@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenloom.quantization.linear import QuantLinear
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight, computed in float32 like the reference models.
@@ -233,6 +235,8 @@ class GatedMLP(nn.Module):
         self.fused_ops = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act == "silu" and self.fused_ops and isinstance(self.gate_up_proj, QuantLinear):
+            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
         gate_up = self.gate_up_proj(x)
         if self.act == "silu" and self.fused_ops:
             act = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenloom.quantization.kernels import quant_matmul
-from tokenloom.quantization.panels import PanelWeight
+from tokenloom.quantization.kernels import native_available, quant_matmul
+from tokenloom.quantization.panels import PANEL, PanelWeight
 
 
 class QuantLinear(nn.Module):
@@ -30,6 +30,19 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             out += self.bias
         return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(y[:, :N / 2]) * y[:, N / 2:]`` of ``y = self(x)`` (2-D ``x``): a
+        SwiGLU MLP's activation from its gate_up projection, for models with native
+        layer ops. The native kernel computes it as its output (the product ``y`` is
+        never stored) where each half is whole panels and there is no bias; else
+        the projection runs, then layer_ops' ``silu_and_mul``. Both give the same bits."""
+        if self.bias is None and self.out_features % (2 * PANEL) == 0 and native_available():
+            return torch.ops.tokenloom_quant.quant_linear_silu(x, *self.qweight.kernel_args())
+        gate_up = self(x)
+        act = gate_up.new_empty(gate_up.shape[0], self.out_features // 2)
+        torch.ops.tokenloom_cpu.silu_and_mul(act, gate_up)
+        return act
 
 
 class QuantEmbedding(nn.Module):

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "denormals.h"
 #include "vec.h"
 
 namespace tokenloom {
@@ -28,10 +29,12 @@ void check_rows(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.stride(-1) == 1, name, " must have unit stride in its last dim");
 }
 
+// Denormals are flushed to zero (see denormals.h), as in the quantized matmul.
 template <typename F>
 void for_rows(int64_t rows, int64_t row_floats, const F& body) {
   const int64_t grain = std::max<int64_t>(1, kMinFloatsPerThread / std::max<int64_t>(1, row_floats));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    const FlushDenormals flush;
     for (int64_t r = begin; r < end; ++r) body(r);
   });
 }
@@ -104,13 +107,7 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
     const float* up = gate + n;
     float* o = op + r * os;
     int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) {
-      // sigmoid(g) from e^-|g| <= 1, so the exponential never overflows.
-      const vec g = load(gate + i);
-      const vec e = exp_nonpositive(g > 0 ? -g : g);
-      const vec sigmoid = (g > 0 ? vec{} + 1.0f : e) / (e + 1.0f);
-      store(o + i, g * sigmoid * load(up + i));
-    }
+    for (; i + kLanes <= n; i += kLanes) store(o + i, silu_times(load(gate + i), load(up + i)));
     for (; i < n; ++i) o[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
   });
 }

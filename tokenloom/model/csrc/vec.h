@@ -51,4 +51,13 @@ inline vec exp_nonpositive(vec x) {
   return p * reinterpret_cast<const vec&>(bits);
 }
 
+// silu(g) * u, the SwiGLU MLP's activation (layer_ops' silu_and_mul and the
+// quantized gate_up matmul's fused output share it, so both give the same
+// bits): sigmoid(g) from e^-|g| <= 1, so the exponential never overflows.
+inline vec silu_times(vec g, vec u) {
+  const vec e = exp_nonpositive(g > 0 ? -g : g);
+  const vec sigmoid = (g > 0 ? vec{} + 1.0f : e) / (e + 1.0f);
+  return g * sigmoid * u;
+}
+
 }  // namespace tokenloom

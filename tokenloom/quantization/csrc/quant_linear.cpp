@@ -60,6 +60,7 @@
 #include <memory>
 #include <vector>
 
+#include "../../model/csrc/denormals.h"
 #include "../../model/csrc/vec.h"
 #include "quant_matrix.h"
 
@@ -179,19 +180,6 @@ inline void store_first(float* p, fvec_t v, int64_t count) {
 
 // Signed 8-bit codes become the unsigned side as q + 128 with VNNI.
 constexpr bool kShiftedCodes8 = TL_VNNI;
-
-// Products of tiny weight and activation scales fall below float32's normal
-// range (a random-weight 1B model's activations reach 1e-33), and every op on a
-// denormal costs a microcode assist: the 1B shape's down projection ran 5x
-// slower on such activations. Each thread of a call flushes them to zero
-// (FTZ and DAZ) and restores its MXCSR after.
-struct FlushDenormals {
-  const unsigned int saved = _mm_getcsr();
-  FlushDenormals() { _mm_setcsr(saved | 0x8040); }
-  ~FlushDenormals() { _mm_setcsr(saved); }
-  FlushDenormals(const FlushDenormals&) = delete;
-  FlushDenormals& operator=(const FlushDenormals&) = delete;
-};
 
 // Per-group scales or mins in panel order (formats.py's GroupFactors):
 // value(n, g) = multiplier * base(n, g / per) * codes(n, g), or multiplier *
@@ -396,12 +384,14 @@ __attribute__((always_inline)) inline ivec_t sub_unit_dot(ivec_t dot, ivec_t fir
   return dpbusd(dpbusd(dot, first, x0), second, x1);
 }
 
-// out[m0 + r, n0 + j] for r < MR, j < count: the kRowsPerVec rows at `lane` of
-// panel p against the activation tile from row m0 (a multiple of kTileM), whose
-// MR rows lie side by side, with activation groups of AG columns.
+// dst[r * dst_stride + j] for r < MR, j < count: the kRowsPerVec rows at
+// `lane` of panel p against the activation tile from row m0 (a multiple of
+// kTileM), whose MR rows lie side by side, with activation groups of AG columns.
+// Not inlined: inlined into panel_gemm, the 16-column loop ran 0.77-0.84x.
 template <int Bits, int MR, int AG>
-void panel_tile(const QuantWeight& w, const QuantActs& a, int64_t p, int64_t lane, int64_t m0,
-                int64_t n0, int64_t count, int64_t n_out, float* out) {
+__attribute__((noinline)) void panel_tile(const QuantWeight& w, const QuantActs& a, int64_t p,
+                                          int64_t lane, int64_t m0, float* dst,
+                                          int64_t dst_stride, int64_t count) {
   constexpr int64_t act_words = AG / 4;
   const int64_t pairs_per_group = w.group / (2 * kSubUnit);
   const int64_t word_step = kPanel * kWordBytes;  // one word of the panel's 16 rows
@@ -494,18 +484,18 @@ void panel_tile(const QuantWeight& w, const QuantActs& a, int64_t p, int64_t lan
       }
     }
   }
-  for (int r = 0; r < MR; ++r) store_first(out + (m0 + r) * n_out + n0, acc[r], count);
+  for (int r = 0; r < MR; ++r) store_first(dst + r * dst_stride, acc[r], count);
 }
 
-// The last rows - m < kTileM activation rows.
-template <int Bits, int MR, int AG>
-void tail_tile(int64_t left, const QuantWeight& w, const QuantActs& a, int64_t p, int64_t lane,
-               int64_t m0, int64_t n0, int64_t count, int64_t n_out, float* out) {
+// panel_tile for the `rows` (1 to kTileM) activation rows from m0.
+template <int Bits, int AG, int MR = kTileM>
+void any_tile(int64_t rows, const QuantWeight& w, const QuantActs& a, int64_t p, int64_t lane,
+              int64_t m0, float* dst, int64_t dst_stride, int64_t count) {
   if constexpr (MR > 0) {
-    if (left == MR) {
-      panel_tile<Bits, MR, AG>(w, a, p, lane, m0, n0, count, n_out, out);
+    if (rows == MR) {
+      panel_tile<Bits, MR, AG>(w, a, p, lane, m0, dst, dst_stride, count);
     } else {
-      tail_tile<Bits, MR - 1, AG>(left, w, a, p, lane, m0, n0, count, n_out, out);
+      any_tile<Bits, AG, MR - 1>(rows, w, a, p, lane, m0, dst, dst_stride, count);
     }
   }
 }
@@ -515,29 +505,57 @@ void tail_tile(int64_t left, const QuantWeight& w, const QuantActs& a, int64_t p
 // re-read from L3 per panel (2048 rows ran at 60% of 512 rows' rate without).
 constexpr int64_t kBlockBytes = 256 << 10;
 
+// What a matmul writes: its n_out columns, or (kSiluPairs) silu(y[:, :n_out / 2])
+// * y[:, n_out / 2:], the SwiGLU MLP's activation straight from its gate_up
+// projection. Then output panel j is computed with panels j (gate) and j +
+// n_out / 32 (up), tile by tile on one thread: the [T, n_out] product is never
+// stored, nor read back by a separate op, half of whose rows the other core had
+// written (the default model's 30 gate_up matmuls and that op: 1.03x at 128
+// rows, 1.06-1.10x at 2,048).
+enum class Epilogue { kStore, kSiluPairs };
+static_assert(kPanel == kLanes, "an output panel's row is one vec");
+
 template <int Bits, int AG>
-void panel_gemm(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t n_out,
-                float* out) {
+void panel_gemm(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t n_out, float* out,
+                Epilogue epilogue) {
+  const bool pairs = epilogue == Epilogue::kSiluPairs;
+  const int64_t panels = (n_out + kPanel - 1) / kPanel;
+  const int64_t units = pairs ? panels / 2 : panels;  // output panels
+  const int64_t out_cols = pairs ? n_out / 2 : n_out;
   const int64_t panel_bytes = w.words * kPanel * kWordBytes * (Bits == 6 ? 3 : 2) / 2;
   const int64_t tile_bytes =
       a.act_groups * kTileM * (a.act_words * sizeof(int32_t) + sizeof(float));
-  const int64_t block_panels = std::max<int64_t>(1, kBlockBytes / panel_bytes);
+  const int64_t block_units =
+      std::max<int64_t>(1, kBlockBytes / (panel_bytes * (pairs ? 2 : 1)));
   const int64_t block_rows = kTileM * std::max<int64_t>(1, kBlockBytes / tile_bytes);
-  at::parallel_for(0, (n_out + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals flush;
-    for (int64_t p0 = begin; p0 < end; p0 += block_panels) {
+    alignas(64) float gate[kTileM * kPanel], up[kTileM * kPanel];
+    for (int64_t u0 = begin; u0 < end; u0 += block_units) {
       for (int64_t m0 = 0; m0 < rows; m0 += block_rows) {
         const int64_t m_end = std::min(rows, m0 + block_rows);
-        for (int64_t p = p0; p < std::min(end, p0 + block_panels); ++p) {
-          for (int64_t lane = 0; lane < kPanel; lane += kRowsPerVec) {
-            const int64_t n0 = p * kPanel + lane;
-            const int64_t count = std::min(kRowsPerVec, n_out - n0);
-            if (count <= 0) break;
-            int64_t m = m0;
-            for (; m + kTileM <= m_end; m += kTileM) {
-              panel_tile<Bits, kTileM, AG>(w, a, p, lane, m, n0, count, n_out, out);
+        for (int64_t u = u0; u < std::min(end, u0 + block_units); ++u) {
+          for (int64_t m = m0; m < m_end; m += kTileM) {
+            const int64_t tile_rows = std::min(kTileM, m_end - m);
+            if (!pairs) {
+              for (int64_t lane = 0; lane < kPanel; lane += kRowsPerVec) {
+                const int64_t n0 = u * kPanel + lane;
+                const int64_t count = std::min(kRowsPerVec, n_out - n0);
+                if (count <= 0) break;
+                any_tile<Bits, AG>(tile_rows, w, a, u, lane, m, out + m * n_out + n0, n_out,
+                                   count);
+              }
+              continue;
             }
-            tail_tile<Bits, kTileM - 1, AG>(m_end - m, w, a, p, lane, m, n0, count, n_out, out);
+            for (int64_t lane = 0; lane < kPanel; lane += kRowsPerVec) {
+              any_tile<Bits, AG>(tile_rows, w, a, u, lane, m, gate + lane, kPanel, kRowsPerVec);
+              any_tile<Bits, AG>(tile_rows, w, a, u + units, lane, m, up + lane, kPanel,
+                                 kRowsPerVec);
+            }
+            for (int64_t r = 0; r < tile_rows; ++r) {
+              store(out + (m + r) * out_cols + u * kPanel,
+                    silu_times(load(gate + r * kPanel), load(up + r * kPanel)));
+            }
           }
         }
       }
@@ -547,11 +565,11 @@ void panel_gemm(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t 
 
 template <int Bits>
 void panel_gemm(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t n_out,
-                float* out) {
+                float* out, Epilogue epilogue) {
   if (a.act_group == 8) {
-    panel_gemm<Bits, 8>(w, a, rows, n_out, out);
+    panel_gemm<Bits, 8>(w, a, rows, n_out, out, epilogue);
   } else {
-    panel_gemm<Bits, 16>(w, a, rows, n_out, out);
+    panel_gemm<Bits, 16>(w, a, rows, n_out, out, epilogue);
   }
 }
 
@@ -645,23 +663,31 @@ QuantMatrix::QuantMatrix(const at::Tensor& qweight, const std::optional<at::Tens
 
 // The output is allocated here: an `out` argument made each batch-1 call
 // (about 120 a step) a microsecond slower, with the Python that makes it.
-at::Tensor QuantMatrix::operator()(const at::Tensor& x) const {
+at::Tensor QuantMatrix::operator()(const at::Tensor& x) const { return apply(x, false); }
+
+at::Tensor QuantMatrix::silu_product(const at::Tensor& x) const { return apply(x, true); }
+
+at::Tensor QuantMatrix::apply(const at::Tensor& x, bool silu_pairs) const {
   const QuantWeight& w = layout_->weight;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
   TORCH_CHECK(x.size(1) <= w.k_pad, "x has more columns than the weight");
-  const FlushDenormals flush;
   const int64_t rows = x.size(0), n_out = layout_->n_out;
+  TORCH_CHECK(!silu_pairs || n_out % (2 * kPanel) == 0,
+              "silu_product needs whole panels in each half: n_out a multiple of ", 2 * kPanel,
+              ", got ", n_out);
+  const FlushDenormals flush;
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-  at::Tensor out = at::empty({rows, n_out}, x.options());
+  at::Tensor out = at::empty({rows, silu_pairs ? n_out / 2 : n_out}, x.options());
   if (rows == 0) return out;
   const QuantActs acts(xc.data_ptr<float>(), rows, x.size(1), xc.stride(0), w, layout_->act_group);
   float* y = out.data_ptr<float>();
+  const Epilogue epilogue = silu_pairs ? Epilogue::kSiluPairs : Epilogue::kStore;
   if (w.bits == 4) {
-    panel_gemm<4>(w, acts, rows, n_out, y);
+    panel_gemm<4>(w, acts, rows, n_out, y, epilogue);
   } else if (w.bits == 6) {
-    panel_gemm<6>(w, acts, rows, n_out, y);
+    panel_gemm<6>(w, acts, rows, n_out, y, epilogue);
   } else {
-    panel_gemm<8>(w, acts, rows, n_out, y);
+    panel_gemm<8>(w, acts, rows, n_out, y, epilogue);
   }
   return out;
 }
@@ -678,6 +704,18 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight,
                      bits, group, n_out, act_group)(x);
 }
 
+// silu(y[:, :n_out / 2]) * y[:, n_out / 2:] of quant_linear's y, without y.
+at::Tensor quant_linear_silu(const at::Tensor& x, const at::Tensor& qweight,
+                             const std::optional<at::Tensor>& qhigh, const at::Tensor& scale_base,
+                             const std::optional<at::Tensor>& scale_codes,
+                             const std::optional<at::Tensor>& min_base,
+                             const std::optional<at::Tensor>& min_codes, double min_multiplier,
+                             int64_t bits, int64_t group, int64_t n_out, int64_t act_group) {
+  return QuantMatrix(qweight, qhigh, scale_base, scale_codes, min_base, min_codes, min_multiplier,
+                     bits, group, n_out, act_group)
+      .silu_product(x);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenloom_quant, m) {
@@ -686,8 +724,16 @@ TORCH_LIBRARY(tokenloom_quant, m) {
       "Tensor? scale_codes, "
       "Tensor? min_base, Tensor? min_codes, float min_multiplier, int bits, int group, "
       "int n_out, int act_group) -> Tensor");
+  m.def(
+      "quant_linear_silu(Tensor x, Tensor qweight, Tensor? qhigh, Tensor scale_base, "
+      "Tensor? scale_codes, "
+      "Tensor? min_base, Tensor? min_codes, float min_multiplier, int bits, int group, "
+      "int n_out, int act_group) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenloom_quant, CPU, m) { m.impl("quant_linear", &quant_linear); }
+TORCH_LIBRARY_IMPL(tokenloom_quant, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear_silu", &quant_linear_silu);
+}
 
 }  // namespace tokenloom

@@ -24,7 +24,14 @@ class QuantMatrix {
   // x float32 [M, <= K] (rows may be strided) -> a new [M, n_out].
   at::Tensor operator()(const at::Tensor& x) const;
 
+  // silu(y[:, :n_out / 2]) * y[:, n_out / 2:] of y = (*this)(x), a new
+  // [M, n_out / 2], equal bit for bit to layer_ops' silu_and_mul of y; n_out
+  // must be a multiple of 32.
+  at::Tensor silu_product(const at::Tensor& x) const;
+
  private:
+  at::Tensor apply(const at::Tensor& x, bool silu_pairs) const;
+
   struct Layout;
   std::shared_ptr<const Layout> layout_;
 };
