@@ -17,7 +17,8 @@ best of 5 calls, and whether the two builds' outputs are bit for bit equal.
   of fresh chunks (lengths log-uniform in 32-512). bfloat16 caches (what
   quantized weights serve with), the prompt step also float32.
 - ``quant`` (``quantization/csrc/quant_linear.cpp``): the default model's
-  matrices (layer 3's four and the LM head) at 2,048, 128, 16 and 1 rows.
+  matrices (layer 3's four and the LM head) at 2,048, 128, 16 and 1 rows, and
+  the MLP's activation from gate_up (fused where a build has the op).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/kernel_ab.py --base HEAD~2 [--kernels attention quant] [--rounds 7]
 """
@@ -205,6 +206,8 @@ def quant_cases() -> dict[str, Case]:
                 continue
             x = torch.randn(rows, weight.in_features, generator=generator)
             cases[f"{name}, {rows} rows"] = matmul_case(x, weight.kernel_args())
+            if name == "gate_up_proj":
+                cases[f"{name} and SiLU, {rows} rows"] = silu_case(x, weight.kernel_args())
     return cases
 
 
@@ -212,6 +215,26 @@ def matmul_case(x: torch.Tensor, args: tuple[object, ...]) -> Case:
     def run(ops: Any) -> tuple[torch.Tensor, float]:
         start = time.perf_counter()
         out = ops.quant_linear(x, *args)
+        return out, time.perf_counter() - start
+
+    return run
+
+
+def silu_case(x: torch.Tensor, args: tuple[object, ...]) -> Case:
+    """The MLP's activation from its gate_up projection: the fused op where the
+    build has it, else the projection, then layer_ops' silu_and_mul."""
+    from tokenloom.model.cpu_kernels import layer_ops_available
+
+    assert layer_ops_available(torch.device("cpu"), torch.float32)
+
+    def run(ops: Any) -> tuple[torch.Tensor, float]:
+        start = time.perf_counter()
+        if hasattr(ops, "quant_linear_silu"):
+            out = ops.quant_linear_silu(x, *args)
+        else:
+            gate_up = ops.quant_linear(x, *args)
+            out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+            torch.ops.tokenloom_cpu.silu_and_mul(out, gate_up)
         return out, time.perf_counter() - start
 
     return run

@@ -694,46 +694,36 @@ at::Tensor QuantMatrix::apply(const at::Tensor& x, bool silu_pairs) const {
 
 namespace {
 
+// quant_linear: x @ dequant(W).T; quant_linear_silu (SiluPairs): silu(y[:, :n_out
+// / 2]) * y[:, n_out / 2:] of that y, without y.
+template <bool SiluPairs>
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight,
                         const std::optional<at::Tensor>& qhigh, const at::Tensor& scale_base,
                         const std::optional<at::Tensor>& scale_codes,
                         const std::optional<at::Tensor>& min_base,
                         const std::optional<at::Tensor>& min_codes, double min_multiplier,
                         int64_t bits, int64_t group, int64_t n_out, int64_t act_group) {
-  return QuantMatrix(qweight, qhigh, scale_base, scale_codes, min_base, min_codes, min_multiplier,
-                     bits, group, n_out, act_group)(x);
-}
-
-// silu(y[:, :n_out / 2]) * y[:, n_out / 2:] of quant_linear's y, without y.
-at::Tensor quant_linear_silu(const at::Tensor& x, const at::Tensor& qweight,
-                             const std::optional<at::Tensor>& qhigh, const at::Tensor& scale_base,
-                             const std::optional<at::Tensor>& scale_codes,
-                             const std::optional<at::Tensor>& min_base,
-                             const std::optional<at::Tensor>& min_codes, double min_multiplier,
-                             int64_t bits, int64_t group, int64_t n_out, int64_t act_group) {
-  return QuantMatrix(qweight, qhigh, scale_base, scale_codes, min_base, min_codes, min_multiplier,
-                     bits, group, n_out, act_group)
-      .silu_product(x);
+  const QuantMatrix matrix(qweight, qhigh, scale_base, scale_codes, min_base, min_codes,
+                           min_multiplier, bits, group, n_out, act_group);
+  return SiluPairs ? matrix.silu_product(x) : matrix(x);
 }
 
 }  // namespace
 
+// Both ops' arguments (a literal: the schema must be one at compile time).
+#define TL_QUANT_LINEAR_SCHEMA                                                              \
+  "(Tensor x, Tensor qweight, Tensor? qhigh, Tensor scale_base, Tensor? scale_codes, "     \
+  "Tensor? min_base, Tensor? min_codes, float min_multiplier, int bits, int group, "       \
+  "int n_out, int act_group) -> Tensor"
+
 TORCH_LIBRARY(tokenloom_quant, m) {
-  m.def(
-      "quant_linear(Tensor x, Tensor qweight, Tensor? qhigh, Tensor scale_base, "
-      "Tensor? scale_codes, "
-      "Tensor? min_base, Tensor? min_codes, float min_multiplier, int bits, int group, "
-      "int n_out, int act_group) -> Tensor");
-  m.def(
-      "quant_linear_silu(Tensor x, Tensor qweight, Tensor? qhigh, Tensor scale_base, "
-      "Tensor? scale_codes, "
-      "Tensor? min_base, Tensor? min_codes, float min_multiplier, int bits, int group, "
-      "int n_out, int act_group) -> Tensor");
+  m.def("quant_linear" TL_QUANT_LINEAR_SCHEMA);
+  m.def("quant_linear_silu" TL_QUANT_LINEAR_SCHEMA);
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_quant, CPU, m) {
-  m.impl("quant_linear", &quant_linear);
-  m.impl("quant_linear_silu", &quant_linear_silu);
+  m.impl("quant_linear", &quant_linear<false>);
+  m.impl("quant_linear_silu", &quant_linear<true>);
 }
 
 }  // namespace tokenloom
