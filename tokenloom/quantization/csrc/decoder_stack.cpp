@@ -40,7 +40,6 @@ struct Layer {
   Tensor input_norm;
   Tensor post_norm;
   std::vector<QuantMatrix> projections;
-  bool silu_product = false;  // gate_up computes the MLP's activation itself (see add_matrix)
 };
 
 class DecoderStack : public torch::CustomClassHolder {
@@ -71,7 +70,7 @@ class DecoderStack : public torch::CustomClassHolder {
   void add_layer(Tensor input_norm, Tensor post_norm) {
     TORCH_CHECK(layers_.empty() || layers_.back().projections.size() == kProjections,
                 "the previous layer lacks projections");
-    layers_.push_back({std::move(input_norm), std::move(post_norm), {}, false});
+    layers_.push_back({std::move(input_norm), std::move(post_norm), {}});
   }
 
   // The current layer's next projection (qkv, o, gate_up, down), as quant_linear's arguments.
@@ -84,11 +83,9 @@ class DecoderStack : public torch::CustomClassHolder {
     const int64_t qkv_width = (num_heads_ + 2 * num_kv_heads_) * head_dim_;
     TORCH_CHECK(!layers_.back().projections.empty() || n_out == qkv_width, "layer ",
                 layers_.size() - 1, ": qkv width ", n_out, ", the heads need ", qkv_width);
-    Layer& layer = layers_.back();
-    // As QuantLinear.silu_and_mul decides: the fused product where each half is whole panels.
-    if (layer.projections.size() == kGateUp) layer.silu_product = n_out % 32 == 0;
-    layer.projections.emplace_back(qweight, qhigh, scale_base, scale_codes, min_base, min_codes,
-                                   min_multiplier, bits, group, n_out, act_group);
+    layers_.back().projections.emplace_back(qweight, qhigh, scale_base, scale_codes, min_base,
+                                            min_codes, min_multiplier, bits, group, n_out,
+                                            act_group);
   }
 
   // h [T, hidden]: the embedded tokens (overwritten: it becomes the residual
@@ -131,7 +128,8 @@ class DecoderStack : public torch::CustomClassHolder {
       Tensor o = proj[kO](attended.view({tokens, q_size}));
       add_rms_norm_.call(o, residual, layer.post_norm, eps_);
       Tensor act;
-      if (layer.silu_product) {
+      // As QuantLinear.silu_and_mul decides: fused where each half is whole panels.
+      if (proj[kGateUp].has_silu_product()) {
         act = proj[kGateUp].silu_product(o);
       } else {
         const Tensor gate_up = proj[kGateUp](o);

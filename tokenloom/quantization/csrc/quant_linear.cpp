@@ -667,12 +667,14 @@ at::Tensor QuantMatrix::operator()(const at::Tensor& x) const { return apply(x, 
 
 at::Tensor QuantMatrix::silu_product(const at::Tensor& x) const { return apply(x, true); }
 
+bool QuantMatrix::has_silu_product() const { return layout_->n_out % (2 * kPanel) == 0; }
+
 at::Tensor QuantMatrix::apply(const at::Tensor& x, bool silu_pairs) const {
   const QuantWeight& w = layout_->weight;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
   TORCH_CHECK(x.size(1) <= w.k_pad, "x has more columns than the weight");
   const int64_t rows = x.size(0), n_out = layout_->n_out;
-  TORCH_CHECK(!silu_pairs || n_out % (2 * kPanel) == 0,
+  TORCH_CHECK(!silu_pairs || has_silu_product(),
               "silu_product needs whole panels in each half: n_out a multiple of ", 2 * kPanel,
               ", got ", n_out);
   const FlushDenormals flush;

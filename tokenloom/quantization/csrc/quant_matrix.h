@@ -25,9 +25,13 @@ class QuantMatrix {
   at::Tensor operator()(const at::Tensor& x) const;
 
   // silu(y[:, :n_out / 2]) * y[:, n_out / 2:] of y = (*this)(x), a new
-  // [M, n_out / 2], equal bit for bit to layer_ops' silu_and_mul of y; n_out
-  // must be a multiple of 32.
+  // [M, n_out / 2], equal bit for bit to layer_ops' silu_and_mul of y; only
+  // where has_silu_product().
   at::Tensor silu_product(const at::Tensor& x) const;
+
+  // Whether each half of the output is whole panels (n_out a multiple of 32),
+  // as silu_product needs.
+  bool has_silu_product() const;
 
  private:
   at::Tensor apply(const at::Tensor& x, bool silu_pairs) const;
