@@ -7,10 +7,11 @@ depends on which other instructions can run beside ``vpdpbusd`` for free. This
 script compiles a small C++ file with ``-O3 -march=native`` and times, for each
 instruction, four of them interleaved with eight independent ``vpdpbusd``: 8
 cycles means they ran on other pipes, 12 that they took the same ones. It then
-times the loop itself per (activation row, 32-column weight group) three ways:
-as the kernel runs it (per-8 scales, one FMA each), with power-of-two sub-scales
-shifting the integer sums instead (one FMA per 32 columns), and the bound of
-each counted in ``vpdpbusd``/FMA slots.
+times the loop itself per (activation row, 32-column weight group) as the kernel
+runs it (a float scale per 8 or 16 columns, one FMA each), with power-of-two
+sub-scales shifting the integer sums instead (one FMA per 32 columns), and with
+power-of-two scales per 8 or 16 applied by the dot product's starting value (no
+multiply at all); and the bound of each counted in ``vpdpbusd``/FMA slots.
 
 Needs AVX-512 with VNNI and BF16 (zmm registers). Cycles assume the clock
 measured by a chain of dependent integer adds (one a cycle).
@@ -101,61 +102,71 @@ alignas(64) static uint8_t codes[kSub][64];
 alignas(64) static int32_t words[kSub][kRows][2];
 alignas(64) static float act_scale[kSub][kRows];
 alignas(64) static int32_t act_shift[kSub][kRows];
+alignas(64) static int32_t act_start[kSub][kRows];
 alignas(64) static float group_scale[kGroups][kRows];
 alignas(64) static float scales[kGroups][16], mins[kGroups][16], sums[kRows][kGroups];
 static float out[kRows][16];
 
-// As the kernel: each 8 columns' dot product scaled by its own float (an FMA).
-__attribute__((noinline)) static void per8_scales() {
+// How a variant of the loop scales each dot product before the weight group's
+// two FMAs (scale, and min times the activations' sum).
+enum class Scales {
+  kPer8Float,    // as the kernel: each 8 columns' dot product times its float (an FMA)
+  kPer16Float,   // as the kernel for the MLP's input: per 16 columns (two sub-units)
+  kShiftedSub,   // power-of-two sub-scales under one float per 32 columns: the
+                 // integer dot products shifted and added, one multiply per group
+  kPow2Per8,     // a power of two per 8 columns, 2^e: the dot product starts from
+                 // the bits of 1.5 * 2^(23 + e), so it becomes the scaled float
+                 // minus that start (a subtraction and an add, no multiply)
+  kPow2Per16,    // the same per 16 columns (two sub-units in one dot product)
+};
+
+template <Scales S>
+__attribute__((noinline)) static void int8_loop() {
+  constexpr int step = S == Scales::kPer16Float || S == Scales::kPow2Per16 ? 2 : 1;  // sub-units per dot
   const __m512i m15 = _mm512_set1_epi8(15);
-  const __m512i biased = _mm512_set1_epi32(0x4b400000);
+  const __m512i biased = _mm512_set1_epi32(0x4b400000);  // 1.5 * 2^23
   const __m512 bias = _mm512_set1_ps(12582912.f);
   __m512 acc[kRows];
   for (auto& a : acc) a = _mm512_setzero_ps();
   for (int g = 0; g < kGroups; ++g) {
-    __m512 gsum[kRows];
-    for (auto& a : gsum) a = _mm512_setzero_ps();
-    for (int t = 4 * g; t < 4 * g + 4; ++t) {
-      const __m512i v = _mm512_load_si512(codes[t]);
-      const __m512i lo = _mm512_and_si512(v, m15), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+    __m512 gsum[kRows];   // float sums (all but kShiftedSub)
+    __m512i isum[kRows];  // integer sums (kShiftedSub)
+    for (int r = 0; r < kRows; ++r) gsum[r] = _mm512_setzero_ps(), isum[r] = _mm512_setzero_si512();
+    for (int t = 4 * g; t < 4 * g + 4; t += step) {
+      __m512i lo[step], hi[step];
+      for (int k = 0; k < step; ++k) {
+        const __m512i v = _mm512_load_si512(codes[t + k]);
+        lo[k] = _mm512_and_si512(v, m15);
+        hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+      }
       for (int r = 0; r < kRows; ++r) {
-        __m512i d = _mm512_dpbusd_epi32(biased, lo, _mm512_set1_epi32(words[t][r][0]));
-        d = _mm512_dpbusd_epi32(d, hi, _mm512_set1_epi32(words[t][r][1]));
-        gsum[r] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_castsi512_ps(d), bias),
-                                  _mm512_set1_ps(act_scale[t][r]), gsum[r]);
+        __m512i start = biased;
+        if constexpr (S == Scales::kShiftedSub) start = _mm512_setzero_si512();
+        if constexpr (S == Scales::kPow2Per8 || S == Scales::kPow2Per16)
+          start = _mm512_set1_epi32(act_start[t][r]);
+        __m512i d = start;
+        for (int k = 0; k < step; ++k) {
+          d = _mm512_dpbusd_epi32(d, lo[k], _mm512_set1_epi32(words[t + k][r][0]));
+          d = _mm512_dpbusd_epi32(d, hi[k], _mm512_set1_epi32(words[t + k][r][1]));
+        }
+        if constexpr (S == Scales::kPer8Float || S == Scales::kPer16Float) {
+          gsum[r] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_castsi512_ps(d), bias),
+                                    _mm512_set1_ps(act_scale[t][r]), gsum[r]);
+        } else if constexpr (S == Scales::kShiftedSub) {
+          isum[r] = _mm512_add_epi32(isum[r], _mm512_sllv_epi32(d, _mm512_set1_epi32(act_shift[t][r])));
+        } else {
+          gsum[r] = _mm512_add_ps(gsum[r], _mm512_sub_ps(_mm512_castsi512_ps(d), _mm512_castsi512_ps(start)));
+        }
       }
     }
     const __m512 sc = _mm512_load_ps(scales[g]), mn = _mm512_load_ps(mins[g]);
     for (int r = 0; r < kRows; ++r) {
-      acc[r] = _mm512_fmadd_ps(gsum[r], sc, acc[r]);
-      acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sums[r][g]), acc[r]);
-    }
-  }
-  for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(out[r], acc[r]);
-}
-
-// Power-of-two sub-scales under one float scale per 32 columns: each 8
-// columns' integer dot product shifted and added, one multiply and FMA per group.
-__attribute__((noinline)) static void shifted_subscales() {
-  const __m512i m15 = _mm512_set1_epi8(15);
-  __m512 acc[kRows];
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  for (int g = 0; g < kGroups; ++g) {
-    __m512i isum[kRows];
-    for (auto& a : isum) a = _mm512_setzero_si512();
-    for (int t = 4 * g; t < 4 * g + 4; ++t) {
-      const __m512i v = _mm512_load_si512(codes[t]);
-      const __m512i lo = _mm512_and_si512(v, m15), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
-      for (int r = 0; r < kRows; ++r) {
-        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_set1_epi32(words[t][r][0]));
-        d = _mm512_dpbusd_epi32(d, hi, _mm512_set1_epi32(words[t][r][1]));
-        isum[r] = _mm512_add_epi32(isum[r], _mm512_sllv_epi32(d, _mm512_set1_epi32(act_shift[t][r])));
+      if constexpr (S == Scales::kShiftedSub) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]),
+                                 _mm512_mul_ps(sc, _mm512_set1_ps(group_scale[g][r])), acc[r]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(gsum[r], sc, acc[r]);
       }
-    }
-    const __m512 sc = _mm512_load_ps(scales[g]), mn = _mm512_load_ps(mins[g]);
-    for (int r = 0; r < kRows; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]),
-                               _mm512_mul_ps(sc, _mm512_set1_ps(group_scale[g][r])), acc[r]);
       acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sums[r][g]), acc[r]);
     }
   }
@@ -179,6 +190,7 @@ int main() {
       words[i][r][1] = i - r;
       act_scale[i][r] = 0.01f;
       act_shift[i][r] = (i + r) & 3;
+      act_start[i][r] = 0x4b400000 + (((i + r) & 3) << 23);  // 1.5 * 2^(23 + 0..3)
     }
   }
   for (int g = 0; g < kGroups; ++g)
@@ -195,9 +207,16 @@ int main() {
   for (const auto& t : tests) std::printf("| %s | %.2f |\n", t.name, t.f(hz));
   std::printf("\n| int8 loop, per (activation row, 32-column group) | cycles | bound (vpdpbusd/FMA slots) |\n"
               "|---|---:|---:|\n");
-  std::printf("| per-8 float scales (the kernel) | %.2f | 14 |\n", per_row_group(per8_scales, hz));
+  std::printf("| per-8 float scales (the kernel) | %.2f | 14 |\n",
+              per_row_group(int8_loop<Scales::kPer8Float>, hz));
+  std::printf("| per-16 float scales (the kernel, the MLP's input) | %.2f | 12 |\n",
+              per_row_group(int8_loop<Scales::kPer16Float>, hz));
   std::printf("| power-of-two sub-scales, shifted integer sums | %.2f | 11 |\n",
-              per_row_group(shifted_subscales, hz));
+              per_row_group(int8_loop<Scales::kShiftedSub>, hz));
+  std::printf("| power of two per 8, from the dot product's start | %.2f | 10 |\n",
+              per_row_group(int8_loop<Scales::kPow2Per8>, hz));
+  std::printf("| power of two per 16, from the dot product's start | %.2f | 10 |\n",
+              per_row_group(int8_loop<Scales::kPow2Per16>, hz));
   return 0;
 }
 """
