@@ -291,7 +291,7 @@ struct QuantActs {
     // (zeroing them took 1% of a prompt step's samples, in memset).
     words.reset(new int32_t[tiles * act_groups * kTileM * act_words]);
     scales.reset(new float[tiles * act_groups * kTileM]);
-    if (w.min_term()) sums.reset(new float[rows * groups]());  // accumulated
+    if (w.min_term()) sums.reset(new float[rows * groups]);
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         const float* row = x + m * x_stride;
@@ -314,18 +314,27 @@ struct QuantActs {
   // Row m: 32 columns at a time for 4 bits (Halves = 2: both halves of a block
   // side by side, so a group of Group columns is float lanes Group / 2 * i ..
   // of each half), 16 for 6 and 8 bits (Halves = 1: Group consecutive lanes).
-  // Vectorised: scalar, it took a third of a 128-row down projection.
+  // Vectorised: scalar, it took a third of a 128-row down projection. Members
+  // are copied to locals first: the code stores would otherwise make the
+  // compiler reload them after every store.
   template <int Halves, int Group>
   void quantize_row(const float* x, int64_t cols, int64_t m, const QuantWeight& w) {
     constexpr int64_t unit = Halves * kLanes;
-    constexpr int Run = Group / Halves;  // float lanes per activation group
+    constexpr int Run = Group / Halves;                // float lanes per activation group
+    constexpr int64_t groups_per_unit = kLanes / Run;  // activation groups per unit
+    constexpr int64_t group_bytes = Group;             // codes of one activation group
     const int64_t tile = m / kTileM, r = m % kTileM;
     const int64_t stride = tile_rows(tile);
-    int32_t* row_words = words.get() + (tile * act_groups * kTileM + r) * act_words;
-    float* row_scales = scales.get() + tile * act_groups * kTileM + r;
-    float* row_sums = sums ? sums.get() + m * groups : nullptr;
+    const int64_t word_step = stride * act_words;  // words from one group of this row to the next
+    int32_t* const row_words = words.get() + (tile * act_groups * kTileM + r) * act_words;
+    float* const row_scales = scales.get() + tile * act_groups * kTileM + r;
+    float* const row_sums = sums ? sums.get() + m * groups : nullptr;
+    const int64_t units_per_group = w.group / unit;  // a weight group is whole units
+    const int64_t k_pad = w.k_pad;
     const vec magic = vec{} + kRoundingMagic;
-    for (int64_t c0 = 0; c0 < w.k_pad; c0 += unit) {
+    vec group_sum{};  // of xs * xq over the weight group so far, for the min term
+    int64_t first = 0, weight_group = 0, in_group = 0;
+    for (int64_t c0 = 0; c0 < k_pad; c0 += unit, first += groups_per_unit) {
       float chunk[unit];  // the last, zero-padded columns
       const float* src = x + c0;
       if (c0 + unit > cols) {
@@ -342,28 +351,34 @@ struct QuantActs {
       const vec d = run_max<Run>(amax) / 127.0f;
       const vec divisor = d > 0.0f ? d : vec{} + 1.0f;  // an all-zero group stays zero
       bvec q8[Halves];
-      vec sum{};  // of xs * xq over these columns, for the min term
       for (int h = 0; h < Halves; ++h) {
         const vec q = (part[h] / divisor + magic) - magic;
         q8[h] = __builtin_convertvector(__builtin_convertvector(q, ivec), bvec);
-        sum += d * q;
+        group_sum += d * q;
       }
-      const int64_t first = c0 / Group;
-      const int8_t* codes = reinterpret_cast<const int8_t*>(q8);
-      for (int64_t i = 0; i < kLanes / Run; ++i) {
-        int32_t* word = row_words + (first + i) * stride * act_words;
-        if (Halves == 2) {
-          // Per sub-unit, its four low-nibble columns, then its four high-nibble ones.
-          for (int64_t u = 0; u < Group / kSubUnit; ++u) {
-            std::memcpy(word + 2 * u, codes + Run * i + 4 * u, 4);
-            std::memcpy(word + 2 * u + 1, codes + kLanes + Run * i + 4 * u, 4);
-          }
-        } else {
-          std::memcpy(word, codes + Run * i, Group);
-        }
+      // The group's codes in the order its words hold them: for 4 bits, per
+      // sub-unit its four low-half columns, then its four high-half ones.
+      alignas(16) int8_t codes[unit];
+      if constexpr (Halves == 2) {
+        typedef int32_t dwords __attribute__((vector_size(16)));
+        const dwords lo = reinterpret_cast<const dwords&>(q8[0]);
+        const dwords hi = reinterpret_cast<const dwords&>(q8[1]);
+        const dwords a = __builtin_shuffle(lo, hi, dwords{0, 4, 1, 5});
+        const dwords b = __builtin_shuffle(lo, hi, dwords{2, 6, 3, 7});
+        std::memcpy(codes, &a, 16);
+        std::memcpy(codes + 16, &b, 16);
+      } else {
+        std::memcpy(codes, q8, unit);
+      }
+      for (int64_t i = 0; i < groups_per_unit; ++i) {
+        std::memcpy(row_words + (first + i) * word_step, codes + group_bytes * i, group_bytes);
         row_scales[(first + i) * stride] = d[Run * i];
       }
-      if (row_sums) row_sums[c0 / w.group] += lane_sum(sum);
+      if (row_sums && ++in_group == units_per_group) {
+        row_sums[weight_group++] = lane_sum(group_sum);
+        group_sum = vec{};
+        in_group = 0;
+      }
     }
   }
 };
