@@ -224,6 +224,25 @@ def test_panel_layout_interleaves_rows_and_keeps_sharing(ggml_type: T) -> None:
     assert panels.nbytes >= rows.nbytes
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_threads_share_blocks_of_rows_and_panels_exactly(threads: int) -> None:
+    """Rows enough for several L2 blocks (K = 4096 makes a block 40 rows) and
+    panels enough for several chunks each: whichever thread takes a chunk, every
+    output is written, right, and the same bits as one thread's."""
+    gen = torch.Generator().manual_seed(11)
+    weight = quantize_float(torch.randn(16 * 13 + 5, 4096, generator=gen), "int4")
+    x = torch.randn(150, 4096, generator=gen)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = quant_matmul(x, PanelWeight.from_rows(weight))
+        torch.set_num_threads(threads)
+        check_native(x, weight)
+        assert torch.equal(quant_matmul(x, PanelWeight.from_rows(weight)), single)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("act_group", ACT_GROUPS)
 def test_batch_invariance_over_every_row_count(act_group: int) -> None:
     """One row's output is bitwise the same alone and in batches of 2 to 70, in any
