@@ -232,13 +232,14 @@ def test_threads_share_blocks_of_rows_and_panels_exactly(threads: int) -> None:
     gen = torch.Generator().manual_seed(11)
     weight = quantize_float(torch.randn(16 * 13 + 5, 4096, generator=gen), "int4")
     x = torch.randn(150, 4096, generator=gen)
+    panels = PanelWeight.from_rows(weight)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = quant_matmul(x, PanelWeight.from_rows(weight))
+        single = quant_matmul(x, panels)
         torch.set_num_threads(threads)
         check_native(x, weight)
-        assert torch.equal(quant_matmul(x, PanelWeight.from_rows(weight)), single)
+        assert torch.equal(quant_matmul(x, panels), single)
     finally:
         torch.set_num_threads(previous)
 

@@ -1,5 +1,5 @@
 """The quantized gate_up matmul that outputs the SwiGLU activation itself
-(``QuantLinear.silu_and_mul``, the ``quant_linear_silu`` op): the same bits as the
+(``QuantLinear.silu_product``, the ``quant_linear_silu`` op): the same bits as the
 projection followed by layer_ops' ``silu_and_mul``, for every weight layout and
 activation grouping, at every tile shape; the unfused path where the halves are
 not whole panels; and the Llama MLP wired to it."""
@@ -46,7 +46,7 @@ def test_fused_activation_equals_projection_then_silu(
         x = torch.randn(rows, k, generator=gen) * 30
         x[::4] = 0
         expected = projection_then_silu(x, weight)
-        fused = QuantLinear(weight).silu_and_mul(x)
+        fused = QuantLinear(weight).silu_product(x)
         assert fused.shape == (rows, n // 2)
         assert torch.equal(fused, expected), rows
         gate_up = quant_matmul(x, weight)
@@ -55,11 +55,17 @@ def test_fused_activation_equals_projection_then_silu(
 
 
 def test_halves_that_are_not_whole_panels_run_unfused() -> None:
-    """48 outputs: halves of 24, not whole panels of 16."""
+    """48 outputs: halves of 24, not whole panels of 16. The MLP then runs the
+    projection and layer_ops' silu_and_mul; the fused op refuses the matrix."""
     gen = torch.Generator().manual_seed(3)
     weight = PanelWeight.from_rows(quantize_float(torch.randn(48, 70, generator=gen), "int4"))
     x = torch.randn(9, 70, generator=gen)
-    assert torch.equal(QuantLinear(weight).silu_and_mul(x), projection_then_silu(x, weight))
+    mlp = GatedMLP(70, 24, torch.float32)
+    mlp.gate_up_proj = QuantLinear(weight)
+    mlp.fused_ops = True
+    assert not mlp.gate_up_proj.has_silu_product
+    expected = mlp.down_proj(projection_then_silu(x, weight))
+    assert torch.equal(mlp(x), expected)
     with pytest.raises(RuntimeError, match="n_out a multiple of 32, got 48"):
         torch.ops.tokenloom_quant.quant_linear_silu(x, *weight.kernel_args())
 
@@ -76,6 +82,7 @@ def test_llama_mlp_on_quantized_weights_uses_the_fused_activation() -> None:
         PanelWeight.from_rows(quantize_float(torch.randn(64, 96, generator=gen), "int8"))
     )
     mlp.fused_ops = True
+    assert mlp.gate_up_proj.has_silu_product
     x = torch.randn(11, 64, generator=gen)
     expected = mlp.down_proj(projection_then_silu(x, mlp.gate_up_proj.qweight))
     calls: list[int] = []

@@ -235,13 +235,15 @@ class GatedMLP(nn.Module):
         self.fused_ops = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act == "silu" and self.fused_ops and isinstance(self.gate_up_proj, QuantLinear):
-            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
-        gate_up = self.gate_up_proj(x)
         if self.act == "silu" and self.fused_ops:
+            gate_up_proj = self.gate_up_proj
+            if isinstance(gate_up_proj, QuantLinear) and gate_up_proj.has_silu_product:
+                return self.down_proj(gate_up_proj.silu_product(x))
+            gate_up = gate_up_proj(x)
             act = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
             torch.ops.tokenloom_cpu.silu_and_mul(act, gate_up)
             return self.down_proj(act)
+        gate_up = self.gate_up_proj(x)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         if self.act == "silu":
             return self.down_proj(F.silu(gate) * up)

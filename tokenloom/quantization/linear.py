@@ -31,18 +31,18 @@ class QuantLinear(nn.Module):
             out += self.bias
         return out
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(y[:, :N / 2]) * y[:, N / 2:]`` of ``y = self(x)`` (2-D ``x``): a
-        SwiGLU MLP's activation from its gate_up projection, for models with native
-        layer ops. The native kernel computes it as its output (the product ``y`` is
-        never stored) where each half is whole panels and there is no bias; else
-        the projection runs, then layer_ops' ``silu_and_mul``. Both give the same bits."""
-        if self.bias is None and self.out_features % (2 * PANEL) == 0 and native_available():
-            return torch.ops.tokenloom_quant.quant_linear_silu(x, *self.qweight.kernel_args())
-        gate_up = self(x)
-        act = gate_up.new_empty(gate_up.shape[0], self.out_features // 2)
-        torch.ops.tokenloom_cpu.silu_and_mul(act, gate_up)
-        return act
+    @property
+    def has_silu_product(self) -> bool:
+        """Whether ``silu_product`` runs: the native kernel, no bias, and each half
+        of the output whole panels (as the decoder stack's ``has_silu_product``)."""
+        return self.bias is None and self.out_features % (2 * PANEL) == 0 and native_available()
+
+    def silu_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(y[:, :N / 2]) * y[:, N / 2:]`` of ``y = self(x)`` (2-D ``x``), a
+        SwiGLU MLP's activation, computed as the native kernel's output: ``y`` is
+        never stored. The same bits as the projection, then layer_ops'
+        ``silu_and_mul``. Only where ``has_silu_product``."""
+        return torch.ops.tokenloom_quant.quant_linear_silu(x, *self.qweight.kernel_args())
 
 
 class QuantEmbedding(nn.Module):

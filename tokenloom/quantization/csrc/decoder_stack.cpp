@@ -128,7 +128,7 @@ class DecoderStack : public torch::CustomClassHolder {
       Tensor o = proj[kO](attended.view({tokens, q_size}));
       add_rms_norm_.call(o, residual, layer.post_norm, eps_);
       Tensor act;
-      // As QuantLinear.silu_and_mul decides: fused where each half is whole panels.
+      // As GatedMLP decides: fused where each half is whole panels.
       if (proj[kGateUp].has_silu_product()) {
         act = proj[kGateUp].silu_product(o);
       } else {
