@@ -72,7 +72,7 @@ def decode_case(
     caches = []
     for _ in range(layers):
         k = alloc((num_blocks, KV_HEADS, HEAD_DIM, BLOCK), dtype, "cpu")
-        v = alloc((num_blocks, BLOCK, KV_HEADS, HEAD_DIM), dtype, "cpu")
+        v = alloc((num_blocks, KV_HEADS, BLOCK, HEAD_DIM), dtype, "cpu")
         k.copy_(torch.randn(k.shape))
         v.copy_(torch.randn(v.shape))
         caches.append((k, v))
@@ -114,7 +114,7 @@ def prefill_case(op: Callable[..., None], seed: int) -> dict[str, Callable[[], o
     """A 2,048-token step of fresh chunks: the native kernel in one call, SDPA per chunk."""
     lengths, table, num_blocks = prompt_step(seed)
     k_cache = torch.randn(num_blocks, KV_HEADS, HEAD_DIM, BLOCK)
-    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    v_cache = torch.randn(num_blocks, KV_HEADS, BLOCK, HEAD_DIM)
     tokens = sum(lengths)
     q = torch.randn(tokens, HEADS, HEAD_DIM)
     out = torch.empty_like(q)

@@ -15,7 +15,9 @@ best of 5 calls, and whether the two builds' outputs are bit for bit equal.
   every layer as a step's weights evict them (with everything else the
   kernel touches, its scratch too: harsher than a step), a 2,048-token prompt step
   of fresh chunks (lengths log-uniform in 32-512). bfloat16 caches (what
-  quantized weights serve with), the prompt step also float32.
+  quantized weights serve with), the prompt step also float32. V blocks are
+  [heads, block_size, dim]: a base revision before that layout (stop 36) reads
+  them as [block_size, heads, dim], so its outputs differ and its times mean little.
 - ``quant`` (``quantization/csrc/quant_linear.cpp``): the default model's
   matrices (layer 3's four and the LM head) at 2,048, 128, 16 and 1 rows, and
   the MLP's activation from gate_up (fused where a build has the op).
@@ -131,7 +133,7 @@ def decode_case(requests: int, context: int, layers: int, evict: bool = False) -
     caches = []
     for _ in range(layers):
         k = huge_pages.zeros((num_blocks, KV_HEADS, HEAD_DIM, BLOCK), torch.bfloat16, "cpu")
-        v = huge_pages.zeros((num_blocks, BLOCK, KV_HEADS, HEAD_DIM), torch.bfloat16, "cpu")
+        v = huge_pages.zeros((num_blocks, KV_HEADS, BLOCK, HEAD_DIM), torch.bfloat16, "cpu")
         k.copy_(torch.randn(k.shape))
         v.copy_(torch.randn(v.shape))
         caches.append((k, v))
@@ -158,7 +160,7 @@ def prefill_case(dtype: torch.dtype) -> Case:
     """One 2,048-token step of fresh prompt chunks in one call."""
     lengths, table, num_blocks = prompt_step(seed=0)
     k_cache = torch.randn(num_blocks, KV_HEADS, HEAD_DIM, BLOCK).to(dtype)
-    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
+    v_cache = torch.randn(num_blocks, KV_HEADS, BLOCK, HEAD_DIM).to(dtype)
     q = torch.randn(sum(lengths), HEADS, HEAD_DIM)
     out = torch.empty_like(q)
     starts = torch.tensor([sum(lengths[:i]) for i in range(len(lengths))], dtype=torch.int32)

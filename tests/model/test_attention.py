@@ -48,10 +48,11 @@ def _run(requests: list[dict], seed: int = 0, path: str = "torch") -> float:
         blocks.append(own)
     num_blocks = next_block
     k_tokens = torch.randn(num_blocks, BS, HKV, D, generator=g)  # prior context, random
-    v_cache = torch.randn(num_blocks, BS, HKV, D, generator=g)
+    v_tokens = torch.randn(num_blocks, BS, HKV, D, generator=g)
     k_cache = k_tokens.permute(0, 2, 3, 1).contiguous()  # K blocks are [Hkv, D, BS]
+    v_cache = v_tokens.transpose(1, 2).contiguous()  # V blocks are [Hkv, BS, D]
     final_k = k_tokens.view(-1, HKV, D).clone()
-    final_v = v_cache.view(-1, HKV, D).clone()
+    final_v = v_tokens.view(-1, HKV, D).clone()
 
     slots, qs, ks, vs = [], [], [], []
     for req, own in zip(requests, blocks, strict=True):
@@ -177,7 +178,7 @@ def test_native_kernel_matches_torch_at_model_shapes(
     k = torch.randn(tokens, kv_heads, head_dim, generator=g).to(cache_dtype).float()
     v = torch.randn(tokens, kv_heads, head_dim, generator=g).to(cache_dtype).float()
     k_cache = torch.randn(num_blocks, kv_heads, head_dim, block_size, generator=g).to(cache_dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g).to(cache_dtype)
     outs, caches = [], []
     for op in (None, NATIVE_OP):
         meta = AttentionMetadata.build(query_lens, seq_lens, table, slots, block_size, op)
@@ -207,7 +208,7 @@ def _bf16_pairs_reference(q, k_cache, v_cache, table, query_lens, seq_lens, bloc
         pos = torch.arange(seq_len)
         blocks = table[row, pos // block_size].long()
         keys = k_cache[blocks, :, :, pos % block_size].float()  # [seq, Hkv, D]
-        values = v_cache[blocks, pos % block_size].float()
+        values = v_cache[blocks, :, pos % block_size].float()
         queries = q[start : start + query_len]
         out.append(attend(queries, keys, values, seq_len - query_len, bf16_products=True))
         start += query_len
@@ -227,7 +228,7 @@ def test_native_write_kv_matches_torch(block_size: int) -> None:
     caches = []
     for native in (False, True):
         k_cache = torch.zeros(num_blocks, HKV, D, block_size)
-        v_cache = torch.zeros(num_blocks, block_size, HKV, D)
+        v_cache = torch.zeros(num_blocks, HKV, block_size, D)
         if native:
             torch.ops.tokenloom_cpu.write_kv(k, v, k_cache, v_cache, slots)
         else:

@@ -53,7 +53,7 @@ def _errors(cache_dtype: torch.dtype, native: bool, seed: int = 0) -> tuple[floa
     full_k = torch.randn(next_block * BS, HKV, D, generator=g)
     full_v = torch.randn(next_block * BS, HKV, D, generator=g)
     k_cache = full_k.view(-1, BS, HKV, D).permute(0, 2, 3, 1).contiguous().to(cache_dtype)
-    v_cache = full_v.view(-1, BS, HKV, D).contiguous().to(cache_dtype)
+    v_cache = full_v.view(-1, BS, HKV, D).transpose(1, 2).contiguous().to(cache_dtype)
     slots, qs, ks, vs = [], [], [], []
     for (seq_len, query_len), own in zip(REQUESTS, blocks, strict=True):
         new = [own[p // BS] * BS + p % BS for p in range(seq_len - query_len, seq_len)]
@@ -127,14 +127,14 @@ def test_native_write_rounds_like_torch(cache_dtype: torch.dtype) -> None:
     caches = [
         (
             torch.zeros(11, HKV, D, BS, dtype=cache_dtype),
-            torch.zeros(11, BS, HKV, D, dtype=cache_dtype),
+            torch.zeros(11, HKV, BS, D, dtype=cache_dtype),
         )
         for _ in range(2)
     ]
     write_kv(k, v, *caches[0], slots)
     torch.ops.tokenloom_cpu.write_kv(k, v, *caches[1], slots)
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
-    assert torch.equal(caches[1][1].view(-1, HKV, D)[slots], v.to(cache_dtype))
+    assert torch.equal(caches[1][1].transpose(1, 2).reshape(-1, HKV, D)[slots], v.to(cache_dtype))
 
 
 def test_resolve_kv_cache_dtype() -> None:

@@ -342,24 +342,24 @@ def write_kv(
 ) -> None:
     """Store this step's K/V ([T, Hkv, D]) at their slots (layouts: ``kv_cache``),
     converted to the cache's dtype."""
-    num_kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
     k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-    block_size = v_cache.shape[1]
-    # K blocks are [Hkv, D, block_size]: slot (block, offset) is column `offset`.
-    k_cache.permute(0, 3, 1, 2).index_put_(
-        (slot_mapping // block_size, slot_mapping % block_size), k
-    )
+    block_size = v_cache.shape[2]
+    at = (slot_mapping // block_size, slot_mapping % block_size)
+    # K blocks are [Hkv, D, block_size]: slot (block, offset) is column `offset`;
+    # V blocks are [Hkv, block_size, D]: it is row `offset` of each head.
+    k_cache.permute(0, 3, 1, 2).index_put_(at, k)
+    v_cache.transpose(1, 2).index_put_(at, v)
 
 
-def _gather_keys(k_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Blocks ``block_ids`` [..., n] of K as token-major [..., Hkv, n * block_size, D]."""
-    blocks = k_cache.index_select(0, block_ids.reshape(-1))
-    num_blocks, num_kv_heads, head_dim, block_size = blocks.shape
-    blocks = blocks.view(*block_ids.shape, num_kv_heads, head_dim, block_size)
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, keys: bool) -> torch.Tensor:
+    """Blocks ``block_ids`` [..., n] of K (``keys``: [Hkv, D, bs] blocks) or V
+    ([Hkv, bs, D] blocks) as token-major [..., Hkv, n * block_size, D]."""
+    blocks = cache.index_select(0, block_ids.reshape(-1)).view(*block_ids.shape, *cache.shape[1:])
+    if keys:
+        blocks = blocks.transpose(-1, -2)
     lead = block_ids.dim() - 1
-    order = (*range(lead), lead + 1, lead, lead + 3, lead + 2)  # -> [..., Hkv, n, bs, D]
-    return blocks.permute(order).reshape(*block_ids.shape[:-1], num_kv_heads, -1, head_dim)
+    blocks = blocks.movedim(lead, lead + 1)  # [..., Hkv, n, bs, D]
+    return blocks.reshape(*block_ids.shape[:-1], blocks.shape[lead], -1, blocks.shape[-1])
 
 
 def _attend(
@@ -406,13 +406,10 @@ def _decode_attention(
 ) -> torch.Tensor:
     """q: [b, H, D] -> [b, H, D], one masked SDPA over the group's gathered blocks."""
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = v_cache.shape[2]
-    flat_ids = group.block_ids.view(-1)
+    num_kv_heads = v_cache.shape[1]
     # A 16-bit cache is widened to the compute dtype after the gather.
-    k = _gather_keys(k_cache, group.block_ids).to(q.dtype)  # [b, Hkv, L, D]
-    # [b, L, Hkv, D] -> [b, Hkv, L, D]
-    v = v_cache.index_select(0, flat_ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-    v = v.to(q.dtype)
+    k = _gather_blocks(k_cache, group.block_ids, keys=True).to(q.dtype)  # [b, Hkv, L, D]
+    v = _gather_blocks(v_cache, group.block_ids, keys=False).to(q.dtype)
     # The query heads sharing a KV head become that head's query rows.
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = _attend(qg, k, v, group.mask, False, scale, softcap)
@@ -433,7 +430,6 @@ def _prefill_attention(
 
     SDPA gets 4-D [1, heads, tokens, D] inputs: on CPU only those reach the fused
     flash kernel (3-D ones take the unfused path, 3-4x slower at 512 tokens)."""
-    num_kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
     if chunk.context_len == 0:
         out = _attend(
             q.transpose(0, 1)[None],
@@ -446,12 +442,12 @@ def _prefill_attention(
         )
         return out[0].transpose(0, 1)
     assert chunk.block_ids is not None
-    kc = _gather_keys(k_cache, chunk.block_ids).to(q.dtype)  # [Hkv, L, D]
-    vc = v_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim).to(q.dtype)
+    kc = _gather_blocks(k_cache, chunk.block_ids, keys=True).to(q.dtype)  # [Hkv, L, D]
+    vc = _gather_blocks(v_cache, chunk.block_ids, keys=False).to(q.dtype)
     out = _attend(
         q.transpose(0, 1)[None],
         kc[:, : chunk.seq_len][None],
-        vc[: chunk.seq_len].transpose(0, 1)[None],
+        vc[:, : chunk.seq_len][None],
         chunk.mask,
         False,
         scale,

@@ -16,7 +16,7 @@
 // cache on CPUs with AVX512_BF16, see kBf16Dot):
 //   out, q          [T, H, D]             flat batch of query tokens
 //   k_cache         [num_blocks, Hkv, D, block_size]  (keys transposed per block)
-//   v_cache         [num_blocks, block_size, Hkv, D]
+//   v_cache         [num_blocks, Hkv, block_size, D]
 //   block_table     int32 [rows, max_blocks]
 //   table_rows, query_start, query_len, seq_lens: int32 [R], one per request
 // Request r owns q rows query_start[r] .. + query_len[r]; its context after this
@@ -475,11 +475,8 @@ struct KeyStream {
   const T* k_block(int64_t b) const {
     return p.k_cache + (blocks[b] * p.num_kv_heads + kv_head) * D * p.block_size;
   }
-  // Its V: block_size rows, v_row() apart; the next heads' columns follow it.
-  const T* v_block(int64_t b) const {
-    return p.v_cache + blocks[b] * p.block_size * v_row() + kv_head * D;
-  }
-  int64_t v_row() const { return p.num_kv_heads * D; }
+  // Its V: [block_size, D]; the next heads' follow it.
+  const T* v_block(int64_t b) const { return p.v_cache + (blocks[b] * p.num_kv_heads + kv_head) * D * p.block_size; }
 
   // Requests the cache lines of the 16 keys from stream position i (a multiple
   // of 16).
@@ -495,9 +492,9 @@ struct KeyStream {
       for (int64_t d = 0; d < heads * D; ++d) __builtin_prefetch(rows + d * p.block_size);
     } else {
       const int64_t count = std::min<int64_t>({kLanes, p.block_size - at, n - key});
-      const T* rows = v_block(b) + at * v_row();
-      for (int64_t r = 0; r < count; ++r)
-        for (int64_t c = 0; c < heads * D; c += line) __builtin_prefetch(rows + r * v_row() + c);
+      const T* rows = v_block(b) + at * D;
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t c = 0; c < count * D; c += line) __builtin_prefetch(rows + h * D * p.block_size + c);
     }
   }
 };
@@ -580,14 +577,14 @@ void attend_heads(const Problem<T>& p, const Task& task, int64_t head, Scratch& 
   float inv_denominators[HEADS];
   softmax_rows(scores, stride, n, stream.values, HEADS, inv_denominators);
 
-  // Weighted sum of V. V blocks are [block_size, Hkv, D].
+  // Weighted sum of V. V blocks are [Hkv, block_size, D].
   ValueSumFor<D, HEADS, T> value_sum;
   for (int64_t first = 0; first < n; first += block_size) {
     const T* v = stream.v_block(first / block_size);
     const int64_t in_block = std::min(block_size, n - first);
     for (int64_t t0 = 0; t0 < in_block; t0 += kLanes) {
       stream.prefetch(stream.values + first + t0 + kAheadKeys);
-      value_sum.add(scores + first + t0, stride, v + t0 * stream.v_row(), stream.v_row(),
+      value_sum.add(scores + first + t0, stride, v + t0 * D, D,
                     std::min(kLanes, in_block - t0));
     }
   }
@@ -601,9 +598,9 @@ constexpr int64_t kMaxBlockGroups = 8;
 constexpr int64_t kAheadBlockKeys = 32;
 
 // One decode token against every KV group of HEADS heads, block by block: each
-// block's K (the groups' [D, block_size] one after another) and then its V
-// rows are read in address order, where group by group a pass read a few KB in
-// every block. A request's blocks mostly follow one another in the cache
+// block's K (the groups' [D, block_size] one after another) and then its V (the
+// groups' [block_size, D]) are read in address order, where group by group a
+// pass read a few KB in every block. A request's blocks mostly follow one another in the cache
 // (78-84% of neighbouring blocks in the main workload's decode steps), so the
 // reads become nearly one stream.
 template <int64_t D, int64_t HEADS, typename T>
@@ -643,7 +640,7 @@ void attend_blocks(const Problem<T>& p, const Task& task, Scratch& scratch) {
       stream.prefetch(stream.values + first + t0 + kAheadBlockKeys);
       for (int64_t g = 0; g < groups; ++g) {
         value_sums[g].add(scores + g * HEADS * stride + first + t0, stride,
-                          v + t0 * stream.v_row() + g * D, stream.v_row(),
+                          v + (g * block_size + t0) * D, D,
                           std::min(kLanes, in_block - t0));
       }
     }
@@ -711,12 +708,10 @@ constexpr int64_t kMinWorkPerThread = 1 << 15;
 // then read the same group's K/V, which stays in L2 (token by token, every
 // group's K/V passed through it in turn: a 2,048-token chunk ran 1.4x slower).
 // In a batch with enough decodes to keep every thread busy, a decode is one
-// unit instead, all its groups read block by block (attend_all_groups): 128
-// decodes of 400 tokens ran 1.1-1.2x faster with their groups one after another
-// on one thread (V rows interleave the groups, so one group's lines were the
-// next group's from L2) than each group on its own, and 1.15x (float32) and
-// 1.5x (bfloat16) faster again block by block when a request's blocks follow
-// one another in the cache (at random places: 0.97x and 1.08x).
+// unit instead, all its groups read block by block (attend_all_groups): 64
+// decodes of 216 tokens from DRAM, bfloat16, ran 2.0x (one thread) and 1.6x
+// (two) faster so when a request's blocks follow one another in the cache than
+// group by group (at random places: 1.0x).
 constexpr int64_t kWholeDecodesPerThread = 4;
 constexpr int32_t kAllGroups = -1;
 
@@ -819,7 +814,7 @@ void paged_attention(
   }
   TORCH_CHECK(out.sizes() == q.sizes(), "out and q shapes differ");
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = v_cache.size(1), num_kv_heads = v_cache.size(2);
+  const int64_t num_kv_heads = v_cache.size(1), block_size = v_cache.size(2);
   TORCH_CHECK(v_cache.size(3) == head_dim, "v_cache head_dim ", v_cache.size(3), " != ", head_dim);
   TORCH_CHECK(k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == num_kv_heads &&
                   k_cache.size(2) == head_dim && k_cache.size(3) == block_size,
@@ -869,14 +864,15 @@ void paged_attention(
 // Stores this step's keys and values at their cache slots: k, v [T, Hkv, D]
 // (rows may be strided, e.g. views of the fused QKV output), slot_mapping
 // int64 [T]. K blocks are [Hkv, D, block_size], so a key's dimensions go to
-// column `slot % block_size`; V blocks are [block_size, Hkv, D]. A 16-bit cache
+// column `slot % block_size`; V blocks are [Hkv, block_size, D], so its heads go
+// to row `slot % block_size` of each head's rows. A 16-bit cache
 // stores them rounded to nearest even, as torch's own conversion does.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping) {
   check_cache(k_cache, v_cache);
   check_input(slot_mapping, "slot_mapping", at::kLong, 1);
   const int64_t tokens = slot_mapping.size(0), num_blocks = v_cache.size(0);
-  const int64_t block_size = v_cache.size(1), num_kv_heads = v_cache.size(2), head_dim = v_cache.size(3);
+  const int64_t num_kv_heads = v_cache.size(1), block_size = v_cache.size(2), head_dim = v_cache.size(3);
   for (const at::Tensor* t : {&k, &v}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == tokens &&
                     t->size(1) == num_kv_heads && t->size(2) == head_dim,
@@ -897,8 +893,10 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
     at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
-        T* v_row = vc + slots[t] * row;
-        for (int64_t i = 0; i < row; ++i) v_row[i] = static_cast<T>(vp[t * vs + i]);
+        T* v_rows = vc + (block * row * block_size) + offset * head_dim;
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          for (int64_t i = 0; i < head_dim; ++i)
+            v_rows[h * block_size * head_dim + i] = static_cast<T>(vp[t * vs + h * head_dim + i]);
         T* k_block = kc + block * row * block_size + offset;
         for (int64_t i = 0; i < row; ++i) k_block[i * block_size] = static_cast<T>(kp[t * ks + i]);
       }
