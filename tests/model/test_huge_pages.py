@@ -1,5 +1,6 @@
 """The KV cache's huge-page allocation: zeroed, writable, advised for 2 MB pages,
-alive as long as any view of it, and plain ``torch.zeros`` where it cannot help."""
+resident from the start, alive as long as any view of it, and plain
+``torch.zeros`` where it cannot help."""
 
 from __future__ import annotations
 
@@ -16,17 +17,22 @@ from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.kv_cache import allocate_kv_caches
 
 
-def mapping_flags(address: int) -> list[str]:
-    """VmFlags of this process's mapping that holds ``address``."""
+def mapping_field(address: int, field: str) -> list[str]:
+    """The smaps line ``field`` (``VmFlags``, ``Rss``) of this process's mapping
+    that holds ``address``, less its name."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             start, end = (int(part, 16) for part in head.split("-"))
             inside = start <= address < end
-        elif inside and head == "VmFlags:":
+        elif inside and head == f"{field}:":
             return line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def mapping_flags(address: int) -> list[str]:
+    return mapping_field(address, "VmFlags")
 
 
 def test_zeros_are_zero_writable_and_the_requested_shape() -> None:
@@ -41,6 +47,14 @@ def test_zeros_are_zero_writable_and_the_requested_shape() -> None:
 def test_large_tensors_are_advised_huge_pages() -> None:
     large = huge_pages.zeros((4 << 20,), torch.float32, "cpu")  # 16 MB
     assert "hg" in mapping_flags(large.data_ptr())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="smaps is Linux's")
+def test_large_tensors_are_resident_before_their_first_write() -> None:
+    # Faulted in at allocation, as torch.zeros would, not by the first steps that write them.
+    large = huge_pages.zeros((4 << 20,), torch.float32, "cpu")  # 16 MB
+    rss_kb, unit = mapping_field(large.data_ptr(), "Rss")
+    assert unit == "kB" and int(rss_kb) >= 16 << 10
 
 
 def test_tensors_under_one_huge_page_are_left_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:

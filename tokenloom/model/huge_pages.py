@@ -1,4 +1,4 @@
-"""Zeroed CPU tensors on transparent huge pages.
+"""Zeroed CPU tensors on transparent huge pages, faulted in up front.
 
 Decode attention reads each request's KV blocks wherever its block table puts
 them, a few KB here and a few KB there across a cache of GBs. On 4 KB pages
@@ -6,7 +6,15 @@ nearly every block is a TLB miss and a page walk before the first byte arrives;
 on 2 MB pages the walks mostly go. Kernels commonly run THP in ``madvise`` mode,
 where only memory that asks for huge pages gets them, so the KV cache asks:
 an anonymous private mapping advised ``MADV_HUGEPAGE``, which the kernel hands
-out zeroed (nothing is written here: untouched blocks cost no memory).
+out zeroed.
+
+The pages are then faulted in at once (``MADV_POPULATE_WRITE``), as allocating
+a cache with ``torch.zeros`` would: left to the first write of each block, the
+faults fell in the first requests' steps. On a VM whose host backs guest memory
+only when it is first touched, each 2 MB page took about 2 ms there, and a
+fresh engine's first run of the main workload was 1-3 s slower than its later
+ones (benchmarks.md, stop 36). Where the kernel lacks the advice (before Linux
+5.14), the pages come as they are first written.
 
 Elsewhere (other devices, no ``MADV_HUGEPAGE``, tensors under one huge page)
 this is ``torch.zeros``.
@@ -14,12 +22,14 @@ this is ``torch.zeros``.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 
 import torch
 
 HUGE_PAGE_BYTES = 2 << 20
+MADV_POPULATE_WRITE = 23  # Linux 5.14; Python's mmap module names it from 3.12 on
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
@@ -34,5 +44,17 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
         return torch.zeros(shape, dtype=dtype, device=device)
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     memory.madvise(mmap.MADV_HUGEPAGE)
+    _populate(memory, nbytes)
     # The tensor holds a reference to the mapping, which lives as long as it does.
     return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
+
+
+def _populate(memory: mmap.mmap, nbytes: int) -> bool:
+    """Faults in every page of ``memory`` for writing; False where the kernel cannot."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = ctypes.c_char.from_buffer(memory)
+    try:
+        return libc.madvise(ctypes.addressof(start), nbytes, MADV_POPULATE_WRITE) == 0
+    finally:
+        del start  # a live export would keep the mapping from ever closing
