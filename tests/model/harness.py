@@ -41,8 +41,10 @@ def run_step(
     allocator: BlockAllocator,
     schedule: list[tuple[Seq, int]],
     native_op: Callable[..., None] | None = None,
+    keep_rows: list[int] | None = None,
 ) -> list[torch.Tensor]:
-    """Run one step; returns, per scheduled seq, logits [n_new, vocab] (float32)."""
+    """Run one step; returns, per scheduled seq, logits [n_new, vocab] (float32),
+    or with ``keep_rows`` (rows of the step's flat batch) one tensor of those rows'."""
     bs = allocator.block_size
     ids: list[int] = []
     positions: list[int] = []
@@ -65,8 +67,9 @@ def run_step(
         query_lens, seq_lens, table, torch.tensor(slots, dtype=torch.long), bs, native_op
     )
     with torch.inference_mode():
-        hidden = model(torch.tensor(ids), torch.tensor(positions), kv_caches, meta)
+        keep = None if keep_rows is None else torch.tensor(keep_rows, dtype=torch.long)
+        hidden = model(torch.tensor(ids), torch.tensor(positions), kv_caches, meta, keep_rows=keep)
         logits = model.compute_logits(hidden)
     for seq, n in schedule:
         seq.num_computed += n
-    return list(logits.split(query_lens))
+    return [logits] if keep_rows is not None else list(logits.split(query_lens))

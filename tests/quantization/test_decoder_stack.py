@@ -95,6 +95,39 @@ def test_stack_equals_the_modules_bit_for_bit(
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
+@pytest.mark.parametrize("use_stack", [True, False])
+def test_kept_rows_are_those_of_the_whole_batch(
+    default_quantized: LoadedModel, use_stack: bool
+) -> None:
+    # The stack computes its last layer for the kept rows alone; the modules select
+    # them at the end. Either way: those rows' logits, and every row's K/V.
+    model: Any = default_quantized.model
+    stack = model.decoder_stack
+    model.decoder_stack = stack if use_stack else None
+    native_op = paged_attention_op(default_quantized.device, torch.float32, 64)
+    gen = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(100, 40000, (90,), generator=gen).tolist() for _ in range(3)]
+    # A chunk's last row, rows inside chunks (as prompt logprobs or drafts keep
+    # them), a decode, and rows out of order.
+    keep = [80, 3, 49, 50, 78, 79]
+    results = []
+    try:
+        for keep_rows in (None, keep):
+            seqs = [Seq(list(t)) for t in tokens]
+            caches = allocate_kv_caches(default_quantized.arch, 20, BLOCK, torch.bfloat16, "cpu")
+            allocator = BlockAllocator(BLOCK)
+            run_step(model, caches, allocator, [(seqs[0], 30), (seqs[2], 60)], native_op)
+            schedule = [(seqs[0], 50), (seqs[1], 30), (seqs[2], 1)]  # rows 0-49, 50-79, 80
+            step = run_step(model, caches, allocator, schedule, native_op, keep_rows)
+            results.append((torch.cat(step), caches))
+    finally:
+        model.decoder_stack = stack
+    (every, every_caches), (kept, kept_caches) = results
+    torch.testing.assert_close(kept, every[keep], rtol=1e-5, atol=1e-4)
+    for (k1, v1), (k2, v2) in zip(every_caches, kept_caches, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
 def test_serves_only_steps_the_native_kernel_takes_whole() -> None:
     seq_len = NATIVE_MAX_QUERY + 8
     table = torch.arange(1, -(-seq_len // BLOCK) + 1, dtype=torch.int32)[None]
@@ -156,7 +189,7 @@ def test_mismatched_caches_are_refused(default_quantized: LoadedModel) -> None:
     meta = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match=f"for {layers} layers"):
         stack.stack.forward(
-            hidden, hidden, hidden, [], [], meta.long(), meta[None], meta, meta, meta, meta
+            hidden, hidden, hidden, [], [], meta.long(), meta[None], meta, meta, meta, meta, None
         )
 
 

@@ -11,7 +11,8 @@ Entry points used elsewhere:
 - ``tokenizer.load_tokenizer(path)`` (torch-free); ``dtype.resolve_dtype(name, device)``
 - ``attention.AttentionMetadata.build(...)``: per-step batch description
 - ``kv_cache.allocate_kv_caches(...)`` / ``kv_cache.kv_cache_bytes_per_block(...)``
-- the model: ``model(input_ids, positions, kv_caches, attn_metadata) -> hidden`` and
+- the model: ``model(input_ids, positions, kv_caches, attn_metadata, keep_rows=None)
+  -> hidden`` (of rows ``keep_rows`` only, where given) and
   ``model.compute_logits(hidden) -> float32 logits`` (``llama.CausalLM``)
 - LoRA: ``lora.LoRAManager`` (per-token adapters in a batch), ``peft_config`` (torch-free
   adapter validation)

@@ -2,10 +2,11 @@
 KV cache, and the base the other families (``gemma``) build on.
 
 ``CausalLM(arch, dtype)`` runs ``forward(input_ids [T], positions [T],
-kv_caches, attn_metadata) -> hidden [T, hidden]`` on a flattened ragged batch
-(see ``attention.AttentionMetadata``) and ``compute_logits(hidden [N, hidden])
--> float32 [N, vocab]``. The final norm is applied in ``forward``, so the runner
-may pick any rows of ``hidden`` before computing logits.
+kv_caches, attn_metadata, keep_rows=None) -> hidden [T, hidden]`` on a flattened
+ragged batch (see ``attention.AttentionMetadata``) and ``compute_logits(hidden
+[N, hidden]) -> float32 [N, vocab]``. The final norm is applied in ``forward``;
+``keep_rows`` (the rows the runner computes logits for) returns those rows
+only, which lets the native decoder stack skip the rest of its last layer.
 
 Q/K/V share one matmul (``qkv_proj``) and gate/up another (``gate_up_proj``).
 ``load_weights`` takes Hugging Face tensor names and splits them into those
@@ -209,13 +210,15 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
+        keep_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The final hidden states [T, hidden], or those of rows ``keep_rows`` (int64)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         h = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
         if self.decoder_stack is not None and self.decoder_stack.serves(attn_metadata):
-            return self.decoder_stack(h, cos, sin, kv_caches, attn_metadata)
+            return self.decoder_stack(h, cos, sin, kv_caches, attn_metadata, keep_rows)
         local_cos, local_sin = cos, sin
         if self.local_rotary is not None:
             local_cos, local_sin = self.local_rotary.cos_sin(positions)
@@ -225,6 +228,9 @@ class CausalLM(nn.Module):
         ):
             c, s = (local_cos, local_sin) if local else (cos, sin)
             h, residual = layer(h, residual, c, s, kv_cache, attn_metadata)
+        if keep_rows is not None:
+            h = h.index_select(0, keep_rows)
+            residual = None if residual is None else residual.index_select(0, keep_rows)
         if residual is None:
             return self.norm(h)
         return self.norm.add_and_norm(h, residual)[0]

@@ -104,9 +104,11 @@ class DecoderStack:
         sin: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        keep_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final norm's output for the embedded tokens ``h`` [T, hidden] (which it
-        overwrites); ``cos``, ``sin`` as ``RotaryEmbedding.cos_sin`` gives them."""
+        overwrites), or for rows ``keep_rows`` of them only (whose last layer alone
+        it then computes); ``cos``, ``sin`` as ``RotaryEmbedding.cos_sin`` gives them."""
         native = meta.native
         assert native is not None
         num_tokens = h.shape[0]
@@ -122,5 +124,6 @@ class DecoderStack:
             native.query_start,
             native.query_len,
             native.seq_lens,
+            keep_rows,
         )
         return out

@@ -221,11 +221,18 @@ class ModelRunner:
                 self.block_size,
                 native_op=self.native_attention,
             )
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, attn_metadata)
             if len(step.row_slots) == 0:
+                self.model(step.input_ids, step.positions, self.kv_caches, attn_metadata)
                 output = self._output(step.req_ids, [[] for _ in step.req_ids], None)
             else:
-                logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
+                hidden = self.model(
+                    step.input_ids,
+                    step.positions,
+                    self.kv_caches,
+                    attn_metadata,
+                    keep_rows=step.logits_indices,
+                )
+                logits = self.model.compute_logits(hidden)
                 if grammar_output is not None:
                     # Draft rows too: verification then judges drafts by the
                     # masked target distribution.

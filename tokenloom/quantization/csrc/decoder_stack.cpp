@@ -16,8 +16,10 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "quant_matrix.h"
@@ -91,10 +93,14 @@ class DecoderStack : public torch::CustomClassHolder {
   // h [T, hidden]: the embedded tokens (overwritten: it becomes the residual
   // stream). cos, sin [T, head_dim / 2]; the caches and attention metadata as
   // tokenloom_cpu's write_kv and paged_attention take them. Returns the final
-  // norm's output [T, hidden].
+  // norm's output [T, hidden], or with keep_rows (int64 [R]) that of those rows
+  // only [R, hidden]: the last layer then writes every row's K/V but attends,
+  // projects and runs the MLP for those rows alone, where a prompt chunk's
+  // other rows would be computed only to be dropped.
   Tensor forward(Tensor h, Tensor cos, Tensor sin, std::vector<Tensor> k_caches,
                  std::vector<Tensor> v_caches, Tensor slot_mapping, Tensor block_table,
-                 Tensor table_rows, Tensor query_start, Tensor query_len, Tensor seq_lens) {
+                 Tensor table_rows, Tensor query_start, Tensor query_len, Tensor seq_lens,
+                 std::optional<Tensor> keep_rows) {
     const size_t count = layers_.size();
     TORCH_CHECK(count > 0 && layers_.back().projections.size() == kProjections,
                 "the stack's last layer is incomplete");
@@ -102,7 +108,7 @@ class DecoderStack : public torch::CustomClassHolder {
                 " K and ", v_caches.size(), " V caches for ", count, " layers");
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(),
                 "h must be contiguous float32 [T, hidden]");
-    const int64_t tokens = h.size(0);
+    int64_t tokens = h.size(0);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const auto options = h.options();
     Tensor residual = h;
@@ -122,6 +128,13 @@ class DecoderStack : public torch::CustomClassHolder {
       rotary_qk_.call(q, k, qkv, cos, sin);
       const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
       write_kv_.call(k, v, k_caches[l], v_caches[l], slot_mapping);
+      if (keep_rows && l + 1 == count) {
+        std::tie(table_rows, query_start, query_len, seq_lens) =
+            rows_as_requests(*keep_rows, tokens, table_rows, query_start, query_len, seq_lens);
+        q = q.index_select(0, *keep_rows);
+        residual = residual.index_select(0, *keep_rows);
+        tokens = q.size(0);
+      }
       Tensor attended = at::empty_like(q);
       paged_attention_.call(attended, q, k_caches[l], v_caches[l], block_table, table_rows,
                             query_start, query_len, seq_lens, scale_);
@@ -143,6 +156,35 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
  private:
+  // Attention metadata for rows `rows` of the flat batch on their own: each
+  // row a request of one query token that sees its context up to and
+  // including itself, in its request's block table row.
+  static std::tuple<Tensor, Tensor, Tensor, Tensor> rows_as_requests(
+      CTensor rows, int64_t tokens, CTensor table_rows, CTensor query_start, CTensor query_len,
+      CTensor seq_lens) {
+    TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+                "keep_rows must be contiguous int64 [R]");
+    const int64_t kept = rows.size(0), requests = query_start.size(0);
+    const auto options = query_start.options();
+    Tensor starts = at::arange(kept, options), lens = at::ones({kept}, options);
+    Tensor seqs = at::empty({kept}, options), tables = at::empty({kept}, options);
+    const int32_t* first = query_start.data_ptr<int32_t>();
+    const int32_t* count = query_len.data_ptr<int32_t>();
+    const int32_t* context = seq_lens.data_ptr<int32_t>();
+    const int32_t* table = table_rows.data_ptr<int32_t>();
+    const int64_t* row = rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < kept; ++i) {
+      TORCH_CHECK(row[i] >= 0 && row[i] < tokens, "keep_rows: row ", row[i], " out of ", tokens);
+      // Requests own ascending, contiguous runs of rows.
+      const int64_t r = std::upper_bound(first, first + requests, row[i]) - first - 1;
+      TORCH_CHECK(r >= 0 && row[i] < first[r] + count[r], "keep_rows: row ", row[i],
+                  " belongs to no request");
+      seqs.data_ptr<int32_t>()[i] = context[r] - count[r] + (row[i] - first[r]) + 1;
+      tables.data_ptr<int32_t>()[i] = table[r];
+    }
+    return {tables, starts, lens, seqs};
+  }
+
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   Tensor final_norm_;
