@@ -49,12 +49,13 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
     return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
 
 
-def _populate(memory: mmap.mmap, nbytes: int) -> bool:
-    """Faults in every page of ``memory`` for writing; False where the kernel cannot."""
+def _populate(memory: mmap.mmap, nbytes: int) -> None:
+    """Faults in every page of ``memory`` for writing, where the kernel can (else
+    the pages come as they are first written)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     start = ctypes.c_char.from_buffer(memory)
     try:
-        return libc.madvise(ctypes.addressof(start), nbytes, MADV_POPULATE_WRITE) == 0
+        libc.madvise(ctypes.addressof(start), nbytes, MADV_POPULATE_WRITE)
     finally:
         del start  # a live export would keep the mapping from ever closing

@@ -470,13 +470,14 @@ struct KeyStream {
   int64_t kv_head, n, heads;
   int64_t values = (n + kLanes - 1) / kLanes * kLanes;
 
-  // The group's K of the b-th block of the request's table: [D, block_size];
-  // the next heads' follow it.
-  const T* k_block(int64_t b) const {
-    return p.k_cache + (blocks[b] * p.num_kv_heads + kv_head) * D * p.block_size;
+  // The group's K of the b-th block of the request's table, [D, block_size],
+  // and its V, [block_size, D]: both caches are head-major within a block, so
+  // the group's part starts at the same offset in each; the next heads' follow.
+  int64_t head_offset(int64_t b) const {
+    return (blocks[b] * p.num_kv_heads + kv_head) * D * p.block_size;
   }
-  // Its V: [block_size, D]; the next heads' follow it.
-  const T* v_block(int64_t b) const { return p.v_cache + (blocks[b] * p.num_kv_heads + kv_head) * D * p.block_size; }
+  const T* k_block(int64_t b) const { return p.k_cache + head_offset(b); }
+  const T* v_block(int64_t b) const { return p.v_cache + head_offset(b); }
 
   // Requests the cache lines of the 16 keys from stream position i (a multiple
   // of 16).

@@ -173,14 +173,16 @@ class DecoderStack : public torch::CustomClassHolder {
     const int32_t* context = seq_lens.data_ptr<int32_t>();
     const int32_t* table = table_rows.data_ptr<int32_t>();
     const int64_t* row = rows.data_ptr<int64_t>();
+    int32_t* seq_of = seqs.data_ptr<int32_t>();
+    int32_t* table_of = tables.data_ptr<int32_t>();
     for (int64_t i = 0; i < kept; ++i) {
       TORCH_CHECK(row[i] >= 0 && row[i] < tokens, "keep_rows: row ", row[i], " out of ", tokens);
       // Requests own ascending, contiguous runs of rows.
       const int64_t r = std::upper_bound(first, first + requests, row[i]) - first - 1;
       TORCH_CHECK(r >= 0 && row[i] < first[r] + count[r], "keep_rows: row ", row[i],
                   " belongs to no request");
-      seqs.data_ptr<int32_t>()[i] = context[r] - count[r] + (row[i] - first[r]) + 1;
-      tables.data_ptr<int32_t>()[i] = table[r];
+      seq_of[i] = context[r] - count[r] + (row[i] - first[r]) + 1;
+      table_of[i] = table[r];
     }
     return {tables, starts, lens, seqs};
   }
