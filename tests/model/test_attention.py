@@ -240,3 +240,40 @@ def test_native_write_kv_matches_torch(block_size: int) -> None:
         bad = slots.clone()
         bad[3] = num_blocks * block_size
         torch.ops.tokenloom_cpu.write_kv(k, v, caches[1][0], caches[1][1], bad)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 80), (6, 2, 64)]
+)
+def test_a_chunk_token_gets_the_bits_it_gets_alone(
+    heads: int, kv_heads: int, head_dim: int, cache_dtype: torch.dtype
+) -> None:
+    """The kernel takes a chunk's tokens several at a time (their heads share
+    every K/V load, the later tokens seeing one key more each): each token's
+    output is the same bits as when it is its request's only query token."""
+    if NATIVE_OP is None:
+        pytest.fail("the native CPU attention kernel did not build on this machine")
+    g = torch.Generator().manual_seed(3)
+    block_size, seq_len, chunk = 16, 75, 7
+    num_blocks = 1 + -(-seq_len // block_size)
+    table = (torch.randperm(num_blocks - 1, generator=g) + 1).view(1, -1).to(torch.int32)
+    k_cache = torch.randn(num_blocks, kv_heads, head_dim, block_size, generator=g)
+    v_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    q = torch.randn(chunk, heads, head_dim, generator=g)
+    ints = lambda *xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+
+    def attend_chunk(queries: torch.Tensor, context: int) -> torch.Tensor:
+        out = torch.full_like(queries, float("nan"))
+        rows = len(queries)
+        NATIVE_OP(
+            out, queries, k_cache, v_cache, table, ints(0), ints(0), ints(rows), ints(context),
+            head_dim**-0.5,
+        )
+        return out
+
+    whole = attend_chunk(q, seq_len)
+    for i in range(chunk):
+        alone = attend_chunk(q[i : i + 1], seq_len - chunk + i + 1)
+        assert torch.equal(alone[0], whole[i]), f"token {i}"

@@ -43,7 +43,7 @@ def quantized_activations(
     x: torch.Tensor, k_pad: int, bits: int, act_group: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What the kernel computes with: x rounded to int8 per act_group columns
-    (scale max|x| / 127, ties to even), as float64, and half a step per element.
+    (scale max|x| * (1 / 127), codes x * (127 / max|x|) ties to even), as float64, and half a step per element.
     For 6- and 8-bit weights a group is consecutive columns; for 4-bit ones,
     8 columns are 4i..4i+3 and 16+4i..16+4i+3 of each 32-column block (the two
     nibbles of the kernel's int32 lane), and 16 are two such, i = 2j and 2j + 1."""
@@ -55,9 +55,11 @@ def quantized_activations(
         within = torch.arange(32).view(2, 4, 4).transpose(0, 1).reshape(32)
         order = (order.view(-1, 32)[:, within]).reshape(k_pad)
     blocks = padded[:, order].view(rows, -1, act_group)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.where(scale > 0, torch.round(blocks / safe), torch.zeros_like(blocks))
+    peak = blocks.abs().amax(-1, keepdim=True)
+    scale = peak * (1 / 127)
+    inverse_scale = torch.where(peak > 0, torch.full_like(peak, 127).div(peak), torch.zeros_like(peak))
+    # The kernel's multiply is fused with its rounding: the exact product, rounded once.
+    codes = torch.round(blocks.double() * inverse_scale.double()).float()
     half_step = (scale / 2).expand_as(blocks)
     inverse = torch.argsort(order)
     return (

@@ -24,11 +24,12 @@
 // base per super-block times an int8 code per group.
 //
 // Activations are quantized per row and per activation group of A = 8 or 16
-// columns, A chosen per matrix (see panels.py's act_group): xs = max|x| / 127,
-// xq = round(x / xs), ties to even. A group is A / 8 sub-units of 8 columns,
-// sub-unit t the columns of word t for 4 and 6 bits and of words 2t, 2t + 1 for
-// 8 bits. For each output row n, activation row m and weight group g, in this
-// order,
+// columns, A chosen per matrix (see panels.py's act_group): xs = max|x| *
+// (1 / 127), xq = round(x * (127 / max|x|)), ties to even (a multiply by the
+// inverse, as llama.cpp's; the exact product is rounded once, fused with the
+// rounding constant). A group is A / 8 sub-units of 8 columns, sub-unit
+// t the columns of word t for 4 and 6 bits and of words 2t, 2t + 1 for 8 bits.
+// For each output row n, activation row m and weight group g, in this order,
 //   gsum  = sum over groups a in g of float(dot(q[n, a], xq[m, a])) * xs[m, a]
 //   y[m, n] += gsum * scale[n, g] + min[n, g] * sum over g's columns of xs * xq,
 // i.e. exactly dequant(W) against the rounded activations. (The float x in the
@@ -349,11 +350,14 @@ struct QuantActs {
         part[h] = load(src + h * kLanes);
         amax = max(amax, abs(part[h]));
       }
-      const vec d = run_max<Run>(amax) / 127.0f;
-      const vec divisor = d > 0.0f ? d : vec{} + 1.0f;  // an all-zero group stays zero
+      // One division per 16 groups' lanes, where dividing x by the scale took
+      // one per 16 columns more.
+      const vec peak = run_max<Run>(amax);
+      const vec d = peak * (1.0f / 127.0f);
+      const vec inverse = peak > 0.0f ? 127.0f / peak : vec{};  // an all-zero group stays zero
       bvec q8[Halves];
       for (int h = 0; h < Halves; ++h) {
-        const vec q = (part[h] / divisor + magic) - magic;
+        const vec q = (part[h] * inverse + magic) - magic;
         q8[h] = __builtin_convertvector(__builtin_convertvector(q, ivec), bvec);
         group_sum += d * q;
       }
