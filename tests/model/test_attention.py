@@ -215,20 +215,25 @@ def _bf16_pairs_reference(q, k_cache, v_cache, table, query_lens, seq_lens, bloc
     return torch.cat(out)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [D, 24])  # whole vectors of 16, and not
 @pytest.mark.parametrize("block_size", [16, 4])
-def test_native_write_kv_matches_torch(block_size: int) -> None:
+def test_native_write_kv_matches_torch(
+    block_size: int, head_dim: int, cache_dtype: torch.dtype
+) -> None:
     if NATIVE_OP is None:
         pytest.fail("the native CPU attention kernel did not build on this machine")
     g = torch.Generator().manual_seed(block_size)
     num_blocks, tokens = 6, 11
-    qkv = torch.randn(tokens, (H + 2 * HKV) * D, generator=g)
-    k = qkv[:, H * D : (H + HKV) * D].view(tokens, HKV, D)  # strided views, as the model's
-    v = qkv[:, (H + HKV) * D :].view(tokens, HKV, D)
+    qkv = torch.randn(tokens, (H + 2 * HKV) * head_dim, generator=g)
+    # Strided views, as the model's.
+    k = qkv[:, H * head_dim : (H + HKV) * head_dim].view(tokens, HKV, head_dim)
+    v = qkv[:, (H + HKV) * head_dim :].view(tokens, HKV, head_dim)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
     caches = []
     for native in (False, True):
-        k_cache = torch.zeros(num_blocks, HKV, D, block_size)
-        v_cache = torch.zeros(num_blocks, HKV, block_size, D)
+        k_cache = torch.zeros(num_blocks, HKV, head_dim, block_size, dtype=cache_dtype)
+        v_cache = torch.zeros(num_blocks, HKV, block_size, head_dim, dtype=cache_dtype)
         if native:
             torch.ops.tokenloom_cpu.write_kv(k, v, k_cache, v_cache, slots)
         else:
@@ -266,11 +271,8 @@ def test_a_chunk_token_gets_the_bits_it_gets_alone(
 
     def attend_chunk(queries: torch.Tensor, context: int) -> torch.Tensor:
         out = torch.full_like(queries, float("nan"))
-        rows = len(queries)
-        NATIVE_OP(
-            out, queries, k_cache, v_cache, table, ints(0), ints(0), ints(rows), ints(context),
-            head_dim**-0.5,
-        )
+        meta = (ints(0), ints(0), ints(len(queries)), ints(context))  # row, start, length, context
+        NATIVE_OP(out, queries, k_cache, v_cache, table, *meta, head_dim**-0.5)
         return out
 
     whole = attend_chunk(q, seq_len)

@@ -923,6 +923,29 @@ void paged_attention(
   });
 }
 
+// Sixteen floats as the cache's type at dst, rounded to nearest even as torch's
+// conversion rounds: one instruction each for bfloat16 (AVX512_BF16) and
+// float16 (AVX-512), where element by element the write took 1% of a run.
+// (Both treat float32 denormals as zero; the matmuls producing K and V flush them.)
+template <typename T>
+inline void convert16(const float* src, T* dst) {
+#if TL_BF16_DOT
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(src))));
+    return;
+  }
+#endif
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src), _MM_FROUND_TO_NEAREST_INT));
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < kLanes; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
 // Stores this step's keys and values at their cache slots: k, v [T, Hkv, D]
 // (rows may be strided, e.g. views of the fused QKV output), slot_mapping
 // int64 [T]. K blocks are [Hkv, D, block_size], so a key's dimensions go to
@@ -952,15 +975,28 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
     using T = std::remove_pointer_t<decltype(tag)>;
     T* kc = k_cache.data_ptr<T>();
     T* vc = v_cache.data_ptr<T>();
+    const bool whole_vectors = head_dim % kLanes == 0;
     at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
         T* v_rows = vc + (block * row * block_size) + offset * head_dim;
+        T* k_block = kc + block * row * block_size + offset;
+        const float* key = kp + t * ks;
+        const float* value = vp + t * vs;
+        if (whole_vectors) {
+          T keys[kLanes];
+          for (int64_t i = 0; i < row; i += kLanes) {
+            const int64_t h = i / head_dim, d = i % head_dim;
+            convert16(value + i, v_rows + h * block_size * head_dim + d);
+            convert16(key + i, keys);
+            for (int64_t l = 0; l < kLanes; ++l) k_block[(i + l) * block_size] = keys[l];
+          }
+          continue;
+        }
         for (int64_t h = 0; h < num_kv_heads; ++h)
           for (int64_t i = 0; i < head_dim; ++i)
-            v_rows[h * block_size * head_dim + i] = static_cast<T>(vp[t * vs + h * head_dim + i]);
-        T* k_block = kc + block * row * block_size + offset;
-        for (int64_t i = 0; i < row; ++i) k_block[i * block_size] = static_cast<T>(kp[t * ks + i]);
+            v_rows[h * block_size * head_dim + i] = static_cast<T>(value[h * head_dim + i]);
+        for (int64_t i = 0; i < row; ++i) k_block[i * block_size] = static_cast<T>(key[i]);
       }
     });
   });
