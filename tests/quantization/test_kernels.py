@@ -57,7 +57,9 @@ def quantized_activations(
     blocks = padded[:, order].view(rows, -1, act_group)
     peak = blocks.abs().amax(-1, keepdim=True)
     scale = peak * (1 / 127)
-    inverse_scale = torch.where(peak > 0, torch.full_like(peak, 127).div(peak), torch.zeros_like(peak))
+    inverse_scale = torch.where(
+        peak > 0, torch.full_like(peak, 127).div(peak), torch.zeros_like(peak)
+    )
     # The kernel's multiply is fused with its rounding: the exact product, rounded once.
     codes = torch.round(blocks.double() * inverse_scale.double()).float()
     half_step = (scale / 2).expand_as(blocks)
@@ -262,12 +264,12 @@ def test_batch_invariance_over_every_row_count(act_group: int) -> None:
         assert torch.equal(quant_matmul(batch, weight)[at], alone[0]), rows
 
 
-def test_only_the_mlp_input_projection_rounds_activations_per_16_columns() -> None:
+def test_only_the_mlp_projections_round_activations_per_16_columns() -> None:
     assert act_group_for("layers.0.mlp.gate_up_proj.weight") == 16
+    assert act_group_for("layers.0.mlp.down_proj.weight") == 16
     for name in (
         "layers.0.self_attn.qkv_proj.weight",
         "layers.7.self_attn.o_proj.weight",
-        "layers.0.mlp.down_proj.weight",
         "lm_head.weight",
         "embed_tokens.weight",
     ):

@@ -12,7 +12,7 @@ factor [N_pad / 16, G, 16], rows past N zero.
 A matrix also says how its activations are rounded: ``act_group`` columns per
 int8 scale, 8 or 16. Per 16 the kernel does a sixth less work on the pipes it is
 bound by (``csrc/quant_linear.cpp``) and rounds coarser: ``act_group_for`` picks
-it for the MLP's input projection only.
+it for the MLP's two projections.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ _WORD = 4  # bytes of a row per word
 # The MLP's input projection reads an RMSNorm's output: every token's row is
 # scaled to one RMS, so its columns differ only by the norm's weights, and 16
 # columns per scale cost it little. q and k read one too, but their errors pass
-# through the attention's softmax; o and down read the attention's output and
-# the gated product, whose heavy tails need 8. Teacher-forced over 3 texts of
-# 4,096 tokens, the default model's argmax agreed with float32's at 98.1/98.6/
-# 97.9% per 8 everywhere, 97.9/98.4/97.6% with this matrix per 16 (a 2,048-row
-# gate_up 1.12x faster); with qkv per 16 too, one of the two 24-token greedy
-# answers that tests/quantization compares with float32's changed at its fifth.
-_MATRICES_PER_16 = ("gate_up_proj",)
+# through the attention's softmax; o reads the attention's output. Teacher-
+# forced over 3 texts of 4,096 tokens (benchmarks/quant_agreement.py), the
+# default model's argmax agreed with float32's at 98.1/98.6/97.9% per 8
+# everywhere, 97.9/98.4/97.6% with gate_up per 16 (a 2,048-row gate_up 1.12x
+# faster), and, rounding x * (127 / max|x|), 98.14/98.29/97.49% with it and
+# 97.56/98.14/97.44% with down too (down 1.12-1.14x faster, about 2% of a main
+# workload run). With qkv or o per 16 the worst text fell to 97.2-97.3%.
+_MATRICES_PER_16 = ("gate_up_proj", "down_proj")
 
 
 def act_group_for(weight_name: str) -> int:
