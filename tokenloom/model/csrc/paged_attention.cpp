@@ -6,11 +6,11 @@
 // request (as many as kMaxRows holds with all their heads) and one KV group: it
 // scores their visible context for that group's query heads together (one K/V
 // load feeds every head of every token), applies a softmax and sums V; in a
-// batch of many decodes, a unit is one decode and all its groups. A 2,048-token
-// prompt step ran 1.19x faster with two tokens (six rows) a unit than with one. Units are handed out
-// dynamically to torch's intra-op threads because context lengths differ
-// widely within a batch; a small batch runs on the calling thread alone. Head
-// sizes are compiled in (see `paged_attention`).
+// batch of many decodes, a unit is one decode and all its groups. (A 2,048-token
+// prompt step ran 1.19x faster with two tokens, six rows, a unit than with one.)
+// Units are handed out dynamically to torch's intra-op threads because context
+// lengths differ widely within a batch; a small batch runs on the calling
+// thread alone. Head sizes are compiled in (see `paged_attention`).
 //
 // Layouts (contiguous; q and out float32, the caches float32, bfloat16 or
 // float16: a 16-bit cache is converted to float32 as it is loaded, which halves
@@ -573,8 +573,8 @@ inline void softmax_rows(float* scores, int64_t stride, int64_t n, int64_t padde
 // the tokens tasks[0 .. ROWS / heads), consecutive tokens of one request. Row
 // r is token r / heads, head head + r % heads; its queries and scores are row
 // r of the scratch's. The rows share every K and V load (and a bfloat16 key
-// pair's permute): one token's three heads made a third of the prompt's
-// vector ops permutes. Keys past a row's own context (the tile's later tokens
+// pair's permute: with one token's three heads, permutes were a third of the
+// prompt's vector ops). Keys past a row's own context (the tile's later tokens
 // see one more each) are scored and then given no weight, so a row's result
 // is the same bits as alone.
 template <int64_t D, int64_t ROWS, typename T>
@@ -751,7 +751,7 @@ void attend_all_groups(const Problem<T>& p, const Task& task, Scratch& scratch) 
 // (medians of 3 alternating runs of benchmarks/step_breakdown.py).
 constexpr int64_t kMinWorkPerThread = 1 << 15;
 
-// Work units (query token, KV group) are handed out dynamically to torch's
+// Work units (query tile, KV group) are handed out dynamically to torch's
 // intra-op threads because context lengths differ widely within a batch; one
 // token's groups can go to different threads, so a single long decode uses them all.
 // A request's units go out group by group: consecutive query tiles of a prompt

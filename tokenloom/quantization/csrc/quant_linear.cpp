@@ -350,8 +350,8 @@ struct QuantActs {
         part[h] = load(src + h * kLanes);
         amax = max(amax, abs(part[h]));
       }
-      // One division per 16 groups' lanes, where dividing x by the scale took
-      // one per 16 columns more.
+      // One division for the unit's inverses, where dividing x by the scale
+      // took one more per 16 columns.
       const vec peak = run_max<Run>(amax);
       const vec d = peak * (1.0f / 127.0f);
       const vec inverse = peak > 0.0f ? 127.0f / peak : vec{};  // an all-zero group stays zero
