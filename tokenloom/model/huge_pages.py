@@ -23,8 +23,10 @@ this is ``torch.zeros``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import mmap
+from collections.abc import Callable
 
 import torch
 
@@ -49,13 +51,19 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
     return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
 
 
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int]:
+    """libc's ``madvise`` (looked up once: an engine populates a cache per layer)."""
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
 def _populate(memory: mmap.mmap, nbytes: int) -> None:
     """Faults in every page of ``memory`` for writing, where the kernel can (else
     the pages come as they are first written)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     start = ctypes.c_char.from_buffer(memory)
     try:
-        libc.madvise(ctypes.addressof(start), nbytes, MADV_POPULATE_WRITE)
+        _madvise()(ctypes.addressof(start), nbytes, MADV_POPULATE_WRITE)
     finally:
         del start  # a live export would keep the mapping from ever closing

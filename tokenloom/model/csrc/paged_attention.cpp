@@ -705,21 +705,20 @@ template <int64_t D, typename T>
 void attend(const Problem<T>& p, const Task* tasks, int64_t tokens, int64_t g, Scratch& scratch) {
   constexpr Queries L = kUnitQueries<D, T>;
   const int64_t first = g * p.group;
-  for (int64_t t = 0; t < tokens; ++t) {
-    prepare_queries<D, L>(p.q + (tasks[t].token * p.num_heads + first) * D, p.group, p.scale,
-                          scratch.q.data() + t * p.group * kQueryFloats<D, L>);
-  }
+  // Queries of `heads` heads from `head` of token t, as rows from t * heads.
+  const auto prepare = [&](int64_t t, int64_t head, int64_t heads) {
+    prepare_queries<D, L>(p.q + (tasks[t].token * p.num_heads + head) * D, heads, p.scale,
+                          scratch.q.data() + t * heads * kQueryFloats<D, L>);
+  };
   if (tokens * p.group <= kMaxRows<D>) {
+    for (int64_t t = 0; t < tokens; ++t) prepare(t, first, p.group);
     attend_any_rows<D, T>(tokens * p.group, p, tasks, first, p.group, scratch);
     return;
   }
   TORCH_CHECK(tokens == 1, "a query tile's rows exceed kMaxRows");
   for (int64_t head = first; head < first + p.group; head += kMaxRows<D>) {
     const int64_t heads = std::min(kMaxRows<D>, first + p.group - head);
-    if (head > first) {  // this chunk's queries as rows 0 ..
-      std::copy_n(scratch.q.data() + (head - first) * kQueryFloats<D, L>,
-                  heads * kQueryFloats<D, L>, scratch.q.data());
-    }
+    prepare(0, head, heads);
     attend_any_rows<D, T>(heads, p, tasks, head, heads, scratch);
   }
 }
