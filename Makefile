@@ -22,9 +22,11 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/tokenloom serve --host $(HOST) --port $(PORT)
 
+# ruff, then the architecture: layers point down, no import circles (pyproject.toml).
 lint: setup
 	$(BIN)/ruff check tokenloom tests benchmarks
 	$(BIN)/ruff format --check tokenloom tests benchmarks
+	$(BIN)/lint-imports --no-logo
 
 typecheck: setup
 	$(BIN)/mypy

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tokenloom.model import huge_pages  # noqa: E402
-from tokenloom.model.cpu_kernels import paged_attention_op  # noqa: E402
+from tokenloom.ops.cpu_kernels import paged_attention_op  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 SCALE = HEAD_DIM**-0.5

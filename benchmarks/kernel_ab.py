@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from attention_kernels import BLOCK, HEAD_DIM, HEADS, KV_HEADS, prompt_step  # noqa: E402
 
 from tokenloom.model import huge_pages  # noqa: E402
-from tokenloom.model.cpu_kernels import _CFLAGS  # noqa: E402
+from tokenloom.ops.cpu_kernels import _CFLAGS  # noqa: E402
 
 # Per kernel: its sources (the first is compiled, the rest are its includes)
 # and the op namespaces its TORCH_LIBRARY blocks register.
@@ -190,7 +190,7 @@ def attention_cases(layers: int) -> dict[str, Case]:
 
 def quant_cases() -> dict[str, Case]:
     from tokenloom.config import ModelConfig
-    from tokenloom.model.loader import load_model
+    from tokenloom.model_loader.loader import load_model
     from tokenloom.quantization.linear import QuantLinear
 
     model = load_model(ModelConfig(model=None)).model
@@ -225,7 +225,7 @@ def matmul_case(x: torch.Tensor, args: tuple[object, ...]) -> Case:
 def silu_case(x: torch.Tensor, args: tuple[object, ...]) -> Case:
     """The MLP's activation from its gate_up projection: the fused op where the
     build has it, else the projection, then layer_ops' silu_and_mul."""
-    from tokenloom.model.cpu_kernels import layer_ops_available
+    from tokenloom.ops.cpu_kernels import layer_ops_available
 
     assert layer_ops_available(torch.device("cpu"), torch.float32)
 

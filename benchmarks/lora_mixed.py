@@ -24,9 +24,10 @@ from safetensors.torch import save_file
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.lora_request import LoRARequest
-from tokenloom.model.arch_config import ModelArchConfig, load_arch_config
-from tokenloom.model.loader import resolve_model_path
+from tokenloom.model.arch_config import ModelArchConfig
+from tokenloom.model.arch_reader import load_arch_config
 from tokenloom.model.peft_config import expected_shapes
+from tokenloom.model_loader.loader import resolve_model_path
 
 MODULES = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),

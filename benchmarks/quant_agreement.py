@@ -29,8 +29,8 @@ import tokenloom.quantization.panels as panels  # noqa: E402
 from tests.quantization.test_quantized_model import DECODE_ROWS, teacher_forced  # noqa: E402
 from tokenloom.config import ModelConfig  # noqa: E402
 from tokenloom.default_model import default_model_path  # noqa: E402
-from tokenloom.model.loader import load_model  # noqa: E402
 from tokenloom.model.tokenizer import load_tokenizer  # noqa: E402
+from tokenloom.model_loader.loader import load_model  # noqa: E402
 
 TOKENS = 4096
 

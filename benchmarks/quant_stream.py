@@ -19,7 +19,7 @@ from collections import defaultdict
 import torch
 
 from tokenloom.config import ModelConfig
-from tokenloom.model.loader import load_model
+from tokenloom.model_loader.loader import load_model
 from tokenloom.quantization.kernels import native_available, quant_matmul
 from tokenloom.quantization.linear import QuantLinear
 

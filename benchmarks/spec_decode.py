@@ -111,7 +111,7 @@ class Collector:
     """A stat logger keeping finished-request stats and draft acceptance."""
 
     def __init__(self) -> None:
-        from tokenloom.spec_decode.metrics import SpecDecodingSummary
+        from tokenloom.metrics.spec_decode import SpecDecodingSummary
 
         self.finished: list[Any] = []
         self.spec = SpecDecodingSummary()

@@ -13,7 +13,31 @@ from dataclasses import dataclass
 import msgspec
 
 from tokenloom.request import FinishReason
-from tokenloom.spec_decode.metrics import SpecDecodingStats
+
+
+class SpecDecodingStats(msgspec.Struct):
+    """Counts for one step (deltas): ``num_drafts`` requests verified drafts,
+    ``num_draft_tokens`` drafts in all, ``num_accepted_tokens`` of them kept;
+    ``num_accepted_tokens_per_pos[i]``: requests whose draft at position ``i``
+    (0-based) was accepted."""
+
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+
+    @classmethod
+    def new(cls, num_spec_tokens: int) -> SpecDecodingStats:
+        return cls(num_spec_tokens, num_accepted_tokens_per_pos=[0] * num_spec_tokens)
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        for i in range(min(num_accepted_tokens, len(per_pos))):
+            per_pos[i] += 1
 
 
 class TokenLogprobs(msgspec.Struct):

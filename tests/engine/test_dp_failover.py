@@ -13,11 +13,11 @@ import pytest
 from tests.engine.fakes import DyingRunner, RestartCounter
 from tests.engine.test_recovery import dying_core, joined, resumed_priors, stream, wait_for
 from tokenloom.config import DPLoadBalanceConfig, RecoveryConfig
-from tokenloom.data_parallel.client import CoreClient, DPClient
-from tokenloom.data_parallel.router import Router
 from tokenloom.engine.args import EngineArgs
 from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.engine.core_client import AsyncInprocClient
+from tokenloom.engine.data_parallel.client import CoreClient, DPClient
+from tokenloom.engine.data_parallel.router import Router
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.supervisor import CoreSupervisor
 from tokenloom.metrics.stats import IterationStats, engine_state

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tokenloom.model.arch_config import load_arch_config
+from tokenloom.model.arch_reader import load_arch_config
 from tokenloom.model.paths import resolve_model_path
 from tokenloom.model.peft_config import expected_shapes
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenloom.config import ModelConfig
-from tokenloom.model.loader import LoadedModel, load_model
+from tokenloom.model_loader.loader import LoadedModel, load_model
 
 
 @pytest.fixture(scope="session")

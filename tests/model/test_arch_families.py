@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenloom.model.arch_config import load_arch_config
+from tokenloom.model.arch_reader import load_arch_config
 
 BASE = {
     "hidden_size": 64,

@@ -17,7 +17,7 @@ from tokenloom.model.attention import (
     paged_attention,
     write_kv,
 )
-from tokenloom.model.cpu_kernels import paged_attention_op
+from tokenloom.ops.cpu_kernels import paged_attention_op
 
 H, HKV, D, BS = 6, 2, 32, 4  # D: the smallest head size the native kernel has
 NATIVE_OP = paged_attention_op(torch.device("cpu"), torch.float32, 64)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tokenloom.model.cpu_kernels import bind_threads_to_cores
+from tokenloom.ops.cpu_kernels import bind_threads_to_cores
 
 
 def _single_cpu_threads() -> set[int]:

@@ -13,8 +13,8 @@ from tests.model.harness import BlockAllocator, Seq, run_step
 from tests.model.scenario import BLOCK_SIZE, make_sequences, max_abs_diff, run_scenario
 from tokenloom.config import ModelConfig
 from tokenloom.model.kv_cache import allocate_kv_caches
-from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.tokenizer import load_tokenizer
+from tokenloom.model_loader.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.e2e
 

@@ -15,10 +15,10 @@ from transformers import LlamaConfig
 from tests.model.test_llama_hf import COMMON, _random_hf_model
 from tokenloom.config import ModelConfig
 from tokenloom.default_model import DEFAULT_GGUF_NAME, default_model_path
-from tokenloom.model.arch_config import load_arch_config
+from tokenloom.model.arch_reader import load_arch_config
 from tokenloom.model.attention import AttentionMetadata
-from tokenloom.model.loader import load_model
 from tokenloom.model.paths import resolve_model_path
+from tokenloom.model_loader.loader import load_model
 
 
 def _tiny_dir(tmp_path: Path) -> Path:

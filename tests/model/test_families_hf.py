@@ -24,9 +24,9 @@ from transformers import (
 
 from tests.model.scenario import BLOCK_SIZE, make_sequences, max_abs_diff, run_scenario
 from tokenloom.config import ModelConfig
-from tokenloom.model.cpu_kernels import paged_attention_op
 from tokenloom.model.kv_cache import allocate_kv_caches
-from tokenloom.model.loader import load_model
+from tokenloom.model_loader.loader import load_model
+from tokenloom.ops.cpu_kernels import paged_attention_op
 
 VOCAB = 128
 COMMON = dict(

@@ -15,10 +15,10 @@ from transformers import LlamaConfig, Qwen2Config
 from tests.model.scenario import BLOCK_SIZE, make_sequences, max_abs_diff, run_scenario
 from tests.model.test_llama_hf import COMMON, VOCAB, _random_hf_model, _reference_logits
 from tokenloom.config import ModelConfig
-from tokenloom.model.arch_config import load_arch_config
+from tokenloom.model.arch_reader import load_arch_config
 from tokenloom.model.gguf_loader import unpermute_rope_rows
 from tokenloom.model.kv_cache import allocate_kv_caches
-from tokenloom.model.loader import load_model
+from tokenloom.model_loader.loader import load_model
 
 _HF_TO_GGUF = {
     "input_layernorm": "attn_norm",

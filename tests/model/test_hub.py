@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tokenloom.config import ModelConfig
 from tokenloom.model.hub import hub_cache_dir, looks_like_hub_id, resolve_hub_model
-from tokenloom.model.loader import load_model, resolve_model_path
+from tokenloom.model_loader.loader import load_model, resolve_model_path
 
 MAIN = "a" * 40
 V2 = "b" * 40

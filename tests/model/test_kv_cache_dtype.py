@@ -22,8 +22,8 @@ from tests.model.attention_reference import attend
 from tokenloom.config import CacheConfig
 from tokenloom.engine.args import EngineArgs
 from tokenloom.model.attention import NATIVE_MAX_QUERY, AttentionMetadata, paged_attention, write_kv
-from tokenloom.model.cpu_kernels import paged_attention_op
 from tokenloom.model.dtype import resolve_kv_cache_dtype
+from tokenloom.ops.cpu_kernels import paged_attention_op
 
 H, HKV, D, BS = 6, 2, 64, 5
 NATIVE_OP = paged_attention_op(torch.device("cpu"), torch.float32, D)

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenloom.model.cpu_kernels import layer_ops_available
 from tokenloom.model.layers import RMSNorm, SiluMLP, apply_rope
 from tokenloom.model.llama import Attention, CausalLM
-from tokenloom.model.loader import LoadedModel
+from tokenloom.model_loader.loader import LoadedModel
+from tokenloom.ops.cpu_kernels import layer_ops_available
 
 CPU = torch.device("cpu")
 

@@ -19,9 +19,9 @@ from tokenloom.config import LoRAConfig, ModelConfig
 from tokenloom.lora_request import LoRARequest
 from tokenloom.model.kv_cache import allocate_kv_caches
 from tokenloom.model.llama import CausalLM
-from tokenloom.model.loader import load_model
 from tokenloom.model.lora import LoRAManager
 from tokenloom.model.peft_config import read_peft_config, validate_adapter
+from tokenloom.model_loader.loader import load_model
 
 VOCAB = 128
 CONFIG = dict(

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.model.llama import CausalLM
-from tokenloom.model.loader import LoadedModel
 from tokenloom.model.packed_linear import PackedLinear, prepack_linears, prepacking_available
+from tokenloom.model_loader.loader import LoadedModel
 
 CPU = torch.device("cpu")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from tokenloom.model.arch_config import load_arch_config
+from tokenloom.model.arch_reader import load_arch_config
 from tokenloom.model.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.e2e

@@ -16,10 +16,10 @@ from tests.model.harness import BlockAllocator, Seq, run_step
 from tests.quantization.blocks import write_tiny_gguf
 from tokenloom.config import ModelConfig
 from tokenloom.model.attention import NATIVE_MAX_QUERY, AttentionMetadata
-from tokenloom.model.cpu_kernels import paged_attention_op
 from tokenloom.model.kv_cache import allocate_kv_caches
 from tokenloom.model.layers import RMSNorm
-from tokenloom.model.loader import LoadedModel, load_model
+from tokenloom.model_loader.loader import LoadedModel, load_model
+from tokenloom.ops.cpu_kernels import paged_attention_op
 from tokenloom.quantization.decoder_stack import DecoderStack
 
 BLOCK = 16

@@ -21,7 +21,7 @@ from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
 from tokenloom.engine.core import EngineCore
 from tokenloom.model.gguf_loader import GGUFTensor
 from tokenloom.model.kv_cache import kv_cache_bytes_per_block
-from tokenloom.model.loader import load_model
+from tokenloom.model_loader.loader import load_model
 from tokenloom.quantization import loading
 from tokenloom.quantization.formats import from_gguf
 from tokenloom.quantization.linear import QuantLinear

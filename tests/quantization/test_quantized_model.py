@@ -19,11 +19,11 @@ from gguf.constants import GGMLQuantizationType as T
 from tests.model.harness import BlockAllocator, Seq, run_step
 from tests.quantization.blocks import write_tiny_gguf
 from tokenloom.config import ModelConfig
-from tokenloom.model.cpu_kernels import paged_attention_op
 from tokenloom.model.dtype import resolve_kv_cache_dtype
 from tokenloom.model.kv_cache import allocate_kv_caches
-from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.tokenizer import load_tokenizer
+from tokenloom.model_loader.loader import LoadedModel, load_model
+from tokenloom.ops.cpu_kernels import paged_attention_op
 from tokenloom.quantization.linear import QuantEmbedding, QuantLinear, quantized_weight_bytes
 
 NUM_TOKENS = 4096

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.quantization.blocks import LAYOUTS, random_layout
-from tokenloom.model.cpu_kernels import layer_ops_available
 from tokenloom.model.layers import GatedMLP
+from tokenloom.ops.cpu_kernels import layer_ops_available
 from tokenloom.quantization.formats import quantize_float
 from tokenloom.quantization.kernels import native_available, quant_matmul
 from tokenloom.quantization.linear import QuantLinear

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenloom.bench.datasets import BenchRequest
+from tokenloom.metrics.spec_decode import SpecDecodingSummary
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.spec_decode.metrics import SpecDecodingSummary
 
 if TYPE_CHECKING:
     from tokenloom.outputs import RequestOutput, SchedulerStats

@@ -12,7 +12,7 @@ path, arch config and tokenizer are all read by torch-free code. If that
 process dies, a ``CoreSupervisor`` starts a new one and the requests in flight
 resume on it (``recovery``); meanwhile the engine is degraded, not dead.
 With data parallel, a dead core's requests resume on the other cores at once
-while it restarts in the background (failover, ``tokenloom.data_parallel``).
+while it restarts in the background (failover, ``tokenloom.engine.data_parallel``).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from collections.abc import AsyncGenerator, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from tokenloom.data_parallel.client import DPClient
 from tokenloom.engine.args import EngineArgs
 from tokenloom.engine.core_client import AsyncInprocClient, InprocClient, MPClient
+from tokenloom.engine.data_parallel.client import DPClient
 from tokenloom.engine.exceptions import CoreDeadError, EngineDeadError
 from tokenloom.engine.input_processor import InputProcessor, eos_token_ids
 from tokenloom.engine.messages import CoreOutputs, EngineCoreRequest
@@ -114,7 +114,7 @@ class AsyncLLM(EngineClient):
     ) -> AsyncLLM:
         """Build the engine: the core (own process unless ``multiprocess=False``) and tokenizer."""
         from tokenloom.engine.core import EngineCore
-        from tokenloom.model.arch_config import load_arch_config
+        from tokenloom.model.arch_reader import load_arch_config
         from tokenloom.model.paths import resolve_model_path
         from tokenloom.model.tokenizer import load_tokenizer
 

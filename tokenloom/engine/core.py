@@ -28,7 +28,7 @@ from tokenloom.structured_output.manager import GrammarOutput, StructuredOutputM
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-    from tokenloom.distributed.executor import MultiprocExecutor
+    from tokenloom.executor.multiproc import MultiprocExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class EngineCore:
         """The core over the real ``ModelRunner`` (loads the weights; imports torch), or
         over a ``MultiprocExecutor`` of worker processes when
         ``model_config.parallel_config.tensor_parallel_size`` > 1."""
-        from tokenloom.distributed.executor import MultiprocExecutor
+        from tokenloom.executor.multiproc import MultiprocExecutor
         from tokenloom.worker.model_runner import ModelRunner
 
         started = time.monotonic()

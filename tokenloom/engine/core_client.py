@@ -191,7 +191,7 @@ class MPClient:
         kv_events_address: str | None = None,
     ) -> None:
         """``engine_index``/``kv_events_address``: a data parallel core's rank and where it
-        publishes KV cache events (see ``tokenloom.data_parallel``)."""
+        publishes KV cache events (see ``tokenloom.engine.data_parallel``)."""
         from tokenloom.engine.core_proc import run_engine_core
 
         self._tmpdir = tempfile.mkdtemp(prefix="tokenloom-")

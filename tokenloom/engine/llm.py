@@ -36,7 +36,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         from tokenloom.engine.core import EngineCore
-        from tokenloom.model.arch_config import load_arch_config
+        from tokenloom.model.arch_reader import load_arch_config
         from tokenloom.model.paths import resolve_model_path
         from tokenloom.model.tokenizer import load_tokenizer
 

@@ -13,8 +13,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from tokenloom.metrics.spec_decode import SpecDecodingSummary
 from tokenloom.outputs import SchedulerStats
-from tokenloom.spec_decode.metrics import SpecDecodingSummary
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ Families: Llama, Mistral, Qwen2, Qwen3, Phi-3 (``llama``), Gemma 2 and 3
 Entry points used elsewhere:
 - ``paths.resolve_model_path(model, revision)`` (torch-free; Hugging Face ids via ``hub``)
 - ``loader.load_model(model_config) -> LoadedModel``
-- ``arch_config.load_arch_config(path) -> ModelArchConfig`` (cheap: no tensors, no torch;
+- ``arch_reader.load_arch_config(path) -> ModelArchConfig`` (cheap: no tensors, no torch;
   family settings in ``arch_families``)
 - ``tokenizer.load_tokenizer(path)`` (torch-free); ``dtype.resolve_dtype(name, device)``
 - ``attention.AttentionMetadata.build(...)``: per-step batch description

@@ -1,7 +1,11 @@
-"""Family-specific parts of a Hugging Face ``config.json`` (torch-free).
+"""The model families, one row each, and what each adds to the Llama fields of a
+Hugging Face ``config.json`` (torch-free).
 
-``family_settings(base, cfg, source)`` completes the Llama-style fields that
-``arch_config`` reads with what each family adds:
+``FAMILIES`` is the one table of per-family traits: the names a checkpoint
+gives its family, which decoder class runs it, and the fixed traits the rest
+of the code reads (always-on q/k/v biases, fused projections in the
+checkpoint, q/k norms). ``family_settings(base, cfg, source)`` completes the
+fields ``arch_reader`` reads with what each family adds:
 
 - sliding windows per layer: Mistral and Phi-3 window every layer, Gemma 2
   alternates sliding and global layers, Gemma 3 has one global layer in
@@ -20,23 +24,60 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from tokenloom.model.arch_config import ModelArchConfig, _normalise_rope
+from tokenloom.model.arch_config import ModelArchConfig
+from tokenloom.model.rope_config import normalise_rope
 
-_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: how checkpoints name it and the traits that set it apart."""
+
+    architecture: str  # config.json's "architectures" entry
+    model_type: str  # config.json's "model_type"
+    # The decoder class that runs it (``registry.model_class``).
+    decoder: Literal["llama", "gemma"] = "llama"
+    gguf_name: str | None = None  # a GGUF file's general.architecture
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE
+    attention_bias: bool = False  # q/k/v biases whatever config.json says
+    # q/k/v stored as one qkv_proj, gate/up as one gate_up_proj.
+    fused_checkpoint_projections: bool = False
+    # Sliding windows only where config.json sets use_sliding_window.
+    windows_opt_in: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    family.architecture: family
+    for family in (
+        Family("LlamaForCausalLM", "llama", gguf_name="llama"),
+        Family("MistralForCausalLM", "mistral"),
+        Family(
+            "Qwen2ForCausalLM", "qwen2", gguf_name="qwen2", attention_bias=True, windows_opt_in=True
+        ),
+        Family("Qwen3ForCausalLM", "qwen3", qk_norm=True, windows_opt_in=True),
+        Family("Gemma2ForCausalLM", "gemma2", decoder="gemma"),
+        Family("Gemma3ForCausalLM", "gemma3_text", decoder="gemma", qk_norm=True),
+        Family("Phi3ForCausalLM", "phi3", fused_checkpoint_projections=True),
+    )
+}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+MODEL_TYPE_TO_ARCH = {f.model_type: f.architecture for f in FAMILIES.values()}
+GGUF_ARCHITECTURES = {f.gguf_name: f.architecture for f in FAMILIES.values() if f.gguf_name}
 
 
 def family_settings(base: ModelArchConfig, cfg: dict[str, Any], source: str) -> ModelArchConfig:
     arch = base.architecture
-    changes: dict[str, Any] = {}
+    family = FAMILIES[arch]
+    changes: dict[str, Any] = {
+        "qk_norm": family.qk_norm,
+        "fused_checkpoint_projections": family.fused_checkpoint_projections,
+    }
     if cfg.get("use_bidirectional_attention"):
         raise ValueError(f"bidirectional attention (use_bidirectional_attention) in {source}")
     changes.update(_windows(base, cfg, source))
-    if arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
-        changes["qk_norm"] = True
-    if arch in _GEMMA:
+    if family.decoder == "gemma":
         changes["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", True))
         scalar = cfg.get("query_pre_attn_scalar")
         changes["query_pre_attn_scalar"] = float(scalar) if scalar else None
@@ -47,7 +88,7 @@ def family_settings(base: ModelArchConfig, cfg: dict[str, Any], source: str) -> 
         local = (cfg.get("rope_parameters") or {}).get("sliding_attention")
         if local is not None:
             changes["local_rope_theta"] = float(local.get("rope_theta", 10000.0))
-            changes["local_rope_scaling"] = _normalise_rope(local, source)
+            changes["local_rope_scaling"] = normalise_rope(local, source)
         else:
             changes["local_rope_theta"] = float(cfg.get("rope_local_base_freq") or 10000.0)
     partial = cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get(
@@ -71,7 +112,7 @@ def family_settings(base: ModelArchConfig, cfg: dict[str, Any], source: str) -> 
 def _windows(base: ModelArchConfig, cfg: dict[str, Any], source: str) -> dict[str, Any]:
     arch, num_layers = base.architecture, base.num_hidden_layers
     window = cfg.get("sliding_window")
-    if arch in _QWEN and not cfg.get("use_sliding_window", False):
+    if FAMILIES[arch].windows_opt_in and not cfg.get("use_sliding_window", False):
         window = None
     if window is None:
         return {"sliding_window": None, "layer_windows": ()}
@@ -87,7 +128,7 @@ def _windows(base: ModelArchConfig, cfg: dict[str, Any], source: str) -> dict[st
             kinds = [
                 "sliding_attention" if (i + 1) % pattern else "full" for i in range(num_layers)
             ]
-        elif arch in _QWEN:
+        elif FAMILIES[arch].windows_opt_in:
             first = int(cfg.get("max_window_layers", 0))
             kinds = ["sliding_attention" if i >= first else "full" for i in range(num_layers)]
         else:

@@ -4,7 +4,7 @@ Each layer owns a K tensor ``[num_blocks, num_kv_heads, head_dim, block_size]``
 and a V tensor ``[num_blocks, num_kv_heads, block_size, head_dim]``; token slot
 ``s`` lives in block ``s // block_size`` at offset ``s % block_size`` (K's column,
 V's row). Keys are transposed within a block so that attention scores a block
-of keys with vector FMAs across keys (``csrc/paged_attention.cpp``); values stay
+of keys with vector FMAs across keys (``csrc/attention/paged_attention.cpp``); values stay
 token-major, the layout the weighted sum reads. Both are head-major within a
 block, so one head's K and V are each one run of memory that a decode reads
 from start to end: with V's heads interleaved row by row, reading one head's

@@ -10,13 +10,11 @@ position up to ``max_position_embeddings`` and indexed once per forward.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from tokenloom.quantization.linear import QuantLinear
 
 
 class RMSNorm(nn.Module):
@@ -217,6 +215,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class SiluProductLinear(Protocol):
+    """A gate/up projection that can output ``silu(gate) * up`` itself, never storing
+    its output (``quantization.linear.QuantLinear``, where ``has_silu_product``)."""
+
+    has_silu_product: bool
+
+    def silu_product(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul: SwiGLU
     (``silu``; with ``fused_ops`` the activation is one native kernel) or GeGLU
@@ -237,8 +244,8 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act == "silu" and self.fused_ops:
             gate_up_proj = self.gate_up_proj
-            if isinstance(gate_up_proj, QuantLinear) and gate_up_proj.has_silu_product:
-                return self.down_proj(gate_up_proj.silu_product(x))
+            if getattr(gate_up_proj, "has_silu_product", False):
+                return self.down_proj(cast(SiluProductLinear, gate_up_proj).silu_product(x))
             gate_up = gate_up_proj(x)
             act = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
             torch.ops.tokenloom_cpu.silu_and_mul(act, gate_up)

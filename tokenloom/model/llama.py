@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -32,10 +32,26 @@ from tokenloom.model.attention import AttentionMetadata, paged_attention
 from tokenloom.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 from tokenloom.model.packed_linear import PackedLinear, prepack_linears
 
-if TYPE_CHECKING:
-    from tokenloom.quantization.decoder_stack import DecoderStack
-
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class NativeDecoder(Protocol):
+    """Every layer of a model as one native call, for the steps it serves
+    (``quantization.decoder_stack.DecoderStack``)."""
+
+    def serves(self, meta: AttentionMetadata) -> bool: ...
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        keep_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -177,7 +193,7 @@ class CausalLM(nn.Module):
         self.logits_head: nn.Module | None = None
         # The layers as one native call, for the steps it serves: set by the loader
         # for quantized models it applies to (quantization.decoder_stack).
-        self.decoder_stack: DecoderStack | None = None
+        self.decoder_stack: NativeDecoder | None = None
 
     def init_buffers(
         self, device: torch.device, dtype: torch.dtype, max_positions: int | None = None

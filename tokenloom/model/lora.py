@@ -30,7 +30,6 @@ from tokenloom.config import LoRAConfig
 from tokenloom.lora_request import LoRARequest
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.peft_config import read_peft_config
-from tokenloom.quantization.linear import QuantLinear
 
 
 class _BatchMask:
@@ -119,7 +118,7 @@ class LoRAWeights:
 
 def _targets(model: CausalLM) -> dict[str, tuple[str, int]]:
     """Hugging Face module path -> (our wrapped module, part index)."""
-    fused = model.arch.architecture == "Phi3ForCausalLM"
+    fused = model.arch.fused_checkpoint_projections
     targets: dict[str, tuple[str, int]] = {}
     for i in range(len(model.layers)):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
@@ -140,7 +139,7 @@ class LoRAManager:
     """Owns the LoRA slots of one model; see the module docstring."""
 
     def __init__(self, model: CausalLM, lora_config: LoRAConfig) -> None:
-        if any(isinstance(m, QuantLinear) for m in model.modules()):
+        if any(getattr(m, "quantized", False) for m in model.modules()):
             raise ValueError(
                 "enable_lora needs float base weights, and this model runs quantized: "
                 "load it with dtype='float32' or 'bfloat16' (which dequantizes a GGUF)"
@@ -153,7 +152,7 @@ class LoRAManager:
         arch = model.arch
         q = arch.num_attention_heads * arch.head_dim
         kv = arch.num_key_value_heads * arch.head_dim
-        fused = arch.architecture == "Phi3ForCausalLM"
+        fused = arch.fused_checkpoint_projections
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             qkv_parts = [(0, q + 2 * kv)] if fused else [(0, q), (q, kv), (q + kv, kv)]

@@ -109,7 +109,7 @@ def expected_shapes(
     q = arch.num_attention_heads * arch.head_dim
     kv = arch.num_key_value_heads * arch.head_dim
     hidden, inter = arch.hidden_size, arch.intermediate_size
-    fused = arch.architecture == "Phi3ForCausalLM"
+    fused = arch.fused_checkpoint_projections
     dims = {"o_proj": (q, hidden), "down_proj": (inter, hidden)}
     if fused:
         dims |= {"qkv_proj": (hidden, q + 2 * kv), "gate_up_proj": (hidden, 2 * inter)}

@@ -1,5 +1,5 @@
 """A quantized Llama decoder's layers as one native call per step
-(``csrc/decoder_stack.cpp``).
+(``csrc/quantization/decoder_stack.cpp``).
 
 At batch 1 most of a step was once Python and op dispatch around ~300 small
 kernel calls; the stack runs the same kernels in the same order from C++, so its
@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from tokenloom.model.attention import AttentionMetadata
-from tokenloom.model.cpu_kernels import layer_ops_available
 from tokenloom.model.llama import CausalLM, DecoderLayer, KVCache
+from tokenloom.ops.cpu_kernels import layer_ops_available
 from tokenloom.quantization.kernels import native_available
 from tokenloom.quantization.linear import QuantLinear
 

@@ -1,4 +1,4 @@
-"""The native quantized matmul (``csrc/quant_linear.cpp``; ``csrc/decoder_stack.cpp``
+"""The native quantized matmul (``csrc/quantization/quant_linear.cpp``; ``csrc/quantization/decoder_stack.cpp``
 runs it for whole decoders), built on first use as their own extension
 ``tokenloom_quant`` (cached like ``model.cpu_kernels``'s, keyed by
 the CPU's flags and this checkout). It reads ``panels.py``'s layout, rounds the
@@ -13,17 +13,14 @@ duration of the call.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from tokenloom.model.cpu_kernels import build_extension, kernels_enabled
+from tokenloom.ops.cpu_kernels import CSRC, build_extension, kernels_enabled
 from tokenloom.quantization.panels import PanelWeight
 
-_SOURCES = [
-    Path(__file__).parent / "csrc" / name for name in ("quant_linear.cpp", "decoder_stack.cpp")
-]
+_SOURCES = [CSRC / "quantization" / name for name in ("quant_linear.cpp", "decoder_stack.cpp")]
 
 
 @functools.cache

@@ -14,6 +14,10 @@ from tokenloom.quantization.panels import PANEL, PanelWeight
 class QuantLinear(nn.Module):
     """``y = x @ dequant(weight).T + bias``; activations in float32."""
 
+    # Read by the model's modules, which know no quantized layer by name (LoRA
+    # refuses quantized base weights).
+    quantized = True
+
     def __init__(self, weight: PanelWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.qweight = weight
@@ -47,6 +51,8 @@ class QuantLinear(nn.Module):
 
 class QuantEmbedding(nn.Module):
     """Gathers rows of a quantized [vocab, hidden] matrix as float32."""
+
+    quantized = True
 
     def __init__(self, weight: PanelWeight) -> None:
         super().__init__()

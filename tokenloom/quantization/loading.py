@@ -28,6 +28,7 @@ from tokenloom.config import ModelConfig
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.gguf_loader import GGUFTensor, iter_gguf_tensors
 from tokenloom.model.llama import CausalLM
+from tokenloom.model.safetensors_loader import iter_safetensors
 from tokenloom.quantization.formats import (
     FLOAT_METHODS,
     GGUF_TYPES,
@@ -143,8 +144,6 @@ def _quantized_stream(
             else:  # an F16/F32 matrix in a quantized file: 8 bits per weight
                 yield hf_name, quantize_float(tensor.dequantize(), "int8")
         return
-    from tokenloom.model.loader import iter_safetensors
-
     for hf_name, weight in iter_safetensors(path):
         target = map_name(hf_name)
         if target is not None and target[0] in wanted:

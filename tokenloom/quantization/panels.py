@@ -4,14 +4,14 @@ of ``PANEL``, and within a panel the rows' 4-byte words side by side.
 The kernel then reads one word of 16 rows with one 64-byte load and computes
 outer products (each int32 lane an output row), the same loop for every batch
 size, so a row's result does not depend on the rows beside it (see
-``csrc/quant_linear.cpp``). Converting is a transpose of the row-major layout
+``csrc/quantization/quant_linear.cpp``). Converting is a transpose of the row-major layout
 (``formats.py``), done once at load: a [N, bytes] matrix becomes [N_pad / 16,
 bytes / 4, 16, 4] (the 6-bit layout's high plane likewise), and each [N, G]
 factor [N_pad / 16, G, 16], rows past N zero.
 
 A matrix also says how its activations are rounded: ``act_group`` columns per
 int8 scale, 8 or 16. Per 16 the kernel does a sixth less work on the pipes it is
-bound by (``csrc/quant_linear.cpp``) and rounds coarser: ``act_group_for`` picks
+bound by (``csrc/quantization/quant_linear.cpp``) and rounds coarser: ``act_group_for`` picks
 it for the MLP's two projections.
 """
 

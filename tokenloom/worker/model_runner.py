@@ -25,21 +25,21 @@ from tokenloom.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConf
 from tokenloom.core.sched.output import SchedulerOutput
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.attention import AttentionMetadata
-from tokenloom.model.cpu_kernels import bind_threads_to_cores, paged_attention_op
 from tokenloom.model.dtype import resolve_kv_cache_dtype
 from tokenloom.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from tokenloom.model.llama import CausalLM
-from tokenloom.model.loader import load_model
 from tokenloom.model.lora import LoRAManager
+from tokenloom.model_loader.loader import load_model
+from tokenloom.ops.cpu_kernels import bind_threads_to_cores, paged_attention_op
 from tokenloom.outputs import ModelRunnerOutput, TokenLogprobs
-from tokenloom.spec_decode.speculator import Speculator
-from tokenloom.spec_decode.verifier import verify
 from tokenloom.structured_output.manager import GrammarOutput
 from tokenloom.worker.grammar_bitmask import apply_grammar_bitmask
 from tokenloom.worker.host_malloc import keep_freed_memory, release_freed_memory
 from tokenloom.worker.input_batch import InputBatch
 from tokenloom.worker.sampler import Sampler
 from tokenloom.worker.sampling_metadata import SamplingMetadata
+from tokenloom.worker.spec_decode.speculator import Speculator
+from tokenloom.worker.spec_decode.verifier import verify
 from tokenloom.worker.step_inputs import (
     StepInputs,
     apply_deltas,

@@ -68,9 +68,9 @@ from tokenloom.outputs import (
     EngineCoreOutputs,
     ModelRunnerOutput,
     SchedulerStats,
+    SpecDecodingStats,
 )
 from tokenloom.request import Request, RequestStatus
-from tokenloom.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
     from tokenloom.structured_output.manager import GrammarOutput, StructuredOutputManager
