@@ -242,25 +242,19 @@ def quant_cases() -> dict[str, Case]:
             x = torch.randn(rows, weight.in_features, generator=generator)
             cases[f"{name}, {rows} rows"] = matmul_case(x, weight.kernel_args())
             if name == "gate_up_proj":
-                cases[f"{name} and SiLU, {rows} rows"] = silu_case(x, weight.kernel_args())
+                cases[f"{name} and SiLU, {rows} rows"] = matmul_case(
+                    x, weight.kernel_args(), "quant_linear_silu"
+                )
     return cases
 
 
-def matmul_case(x: torch.Tensor, args: tuple[object, ...]) -> Case:
-    def run(ops: Any) -> tuple[torch.Tensor, float]:
-        start = time.perf_counter()
-        out = ops.quant_linear(x, *args)
-        return out, time.perf_counter() - start
-
-    return run
-
-
-def silu_case(x: torch.Tensor, args: tuple[object, ...]) -> Case:
-    """The MLP's activation straight from its gate_up projection."""
+def matmul_case(x: torch.Tensor, args: tuple[object, ...], op: str = "quant_linear") -> Case:
+    """``op`` on ``x``: ``quant_linear``, or ``quant_linear_silu`` (the MLP's
+    activation straight from its gate_up projection)."""
 
     def run(ops: Any) -> tuple[torch.Tensor, float]:
         start = time.perf_counter()
-        out = ops.quant_linear_silu(x, *args)
+        out = getattr(ops, op)(x, *args)
         return out, time.perf_counter() - start
 
     return run
