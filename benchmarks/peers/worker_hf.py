@@ -1,6 +1,6 @@
 """Hugging Face transformers worker: static batching with left padding.
 
-Run with the main venv's python; see _common.py for the protocol. Requests
+Run with the main venv's python; see ../_common.py for the protocol. Requests
 are taken in workload order in batches of ``--batch-size``; each batch
 decodes to its longest ``max_tokens`` (EOS suppressed with min_new_tokens),
 and each request is credited only the tokens it asked for: the surplus is
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for _common
 from _common import run_all, worker_args  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """llama.cpp worker: drives a local llama-server (parallel slots, continuous batching).
 
-Run with the main venv's python; see _common.py for the protocol. The server
+Run with the main venv's python; see ../_common.py for the protocol. The server
 is started here on 127.0.0.1 with ``-np N -cb -t 2``, the GGUF's own 4-bit
 weights, and stopped by its PID. Requests go to its native ``/completion``
 endpoint as token ids (greedy, ``ignore_eos``, fixed ``n_predict``), all at
@@ -20,7 +20,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for _common
 from _common import run_all, wait_healthy, worker_args  # noqa: E402
 
 

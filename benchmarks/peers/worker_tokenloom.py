@@ -1,6 +1,6 @@
 """tokenloom offline worker (tokenloom.LLM): run with the main venv's python.
 
-See _common.py for the protocol. Exits with status 3 and a message when
+See ../_common.py for the protocol. Exits with status 3 and a message when
 tokenloom.LLM cannot be imported or built yet.
 """
 
@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for _common
 sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the repo, for tokenloom
 from _common import run_all, worker_args  # noqa: E402
 

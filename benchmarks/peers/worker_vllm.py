@@ -1,4 +1,4 @@
-"""vLLM (CPU build) worker: run with .bench/vllm/bin/python; see _common.py for the protocol.
+"""vLLM (CPU build) worker: run with .bench/vllm/bin/python; see ../_common.py for the protocol.
 
 Expects VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE and VLLM_CACHE_ROOT
 in the environment (compare_peers.py sets them).
@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for _common
 from _common import run_all, worker_args  # noqa: E402
 
 

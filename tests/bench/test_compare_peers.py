@@ -1,4 +1,4 @@
-"""Pieces of benchmarks/compare_peers.py that need no engine: FLOP counting, result checks."""
+"""Pieces of benchmarks/peers/compare_peers.py that need no engine: FLOP counting, result checks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from tokenloom.bench.datasets import BenchRequest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "compare_peers.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / "compare_peers.py"
 _spec = importlib.util.spec_from_file_location("compare_peers", _PATH)
 assert _spec is not None and _spec.loader is not None
 cp = importlib.util.module_from_spec(_spec)

@@ -1,4 +1,4 @@
-"""Helpers shared by the peer worker scripts (stdlib + psutil only).
+"""Helpers shared by the benchmark scripts and the peer workers (stdlib + psutil only).
 
 Every worker is run with its own engine's Python (the vLLM venv, the main
 venv, ...), so this file must not import tokenloom or any engine.

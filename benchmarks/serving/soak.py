@@ -13,8 +13,8 @@ running/waiting/KV-usage gauges from /metrics once idle (which must all be
 Without ``--base-url`` it starts its own server on the default model
 (127.0.0.1 only). Only loopback addresses are accepted.
 
-    .venv/bin/python benchmarks/soak.py --clients 32 --minutes 3
-    .venv/bin/python benchmarks/soak.py --base-url http://127.0.0.1:8000 --minutes 1
+    .venv/bin/python benchmarks/serving/soak.py --clients 32 --minutes 3
+    .venv/bin/python benchmarks/serving/soak.py --base-url http://127.0.0.1:8000 --minutes 1
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
-from _common import report, serving  # noqa: E402  (stdlib-only helpers of the peer workers)
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _common import report, serving  # noqa: E402  (stdlib-only helpers of the benchmarks)
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -395,7 +395,7 @@ def main() -> None:
         ]  # fmt: skip
         with serving(serve_cmd, base_url, args.log, ROOT) as server:
             result = asyncio.run(soak(args, base_url, server.pid))
-    report(result, "benchmarks/soak.py", args.json)
+    report(result, "benchmarks/serving/soak.py", args.json)
     gauges = result["gauges_after"]
     ok = result["num_5xx"] == 0 and not result["bad_requests_accepted"]
     ok = ok and all(gauges.get(g) == 0 for g in GAUGES)

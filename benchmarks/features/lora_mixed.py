@@ -7,7 +7,7 @@ Both runs generate the same number of tokens from prompts of the same length
 projection (written as PEFT directories, no peft needed). Runs alternate base,
 mixed, base, ... ``--repeats`` times each; the medians are reported.
 
-    python benchmarks/lora_mixed.py --num-prompts 32 --prompt-len 32 --output-len 32
+    python benchmarks/features/lora_mixed.py --num-prompts 32 --prompt-len 32 --output-len 32
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ windows, untimed), since a collection would walk both trees' objects. Each row
 gives the median over ``--repeats`` rounds per tree and the median of the
 rounds' current / TREE ratios.
 
-    .venv/bin/python benchmarks/scheduler_overhead.py
-    .venv/bin/python benchmarks/scheduler_overhead.py --profile 1024
-    .venv/bin/python benchmarks/scheduler_overhead.py --compare /work/base --repeats 3 --freeze-gc
+    .venv/bin/python benchmarks/scheduler/scheduler_overhead.py
+    .venv/bin/python benchmarks/scheduler/scheduler_overhead.py --profile 1024
+    .venv/bin/python benchmarks/scheduler/scheduler_overhead.py --compare /work/base --repeats 3 --freeze-gc
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parents[2]  # the repository
 BLOCK_SIZE = 16
 PROMPT_LEN = 512
 STEADY_WINDOW = 16  # steps: every request crosses one block boundary per window

@@ -18,7 +18,7 @@ prompts' blocks beside its running batch is where routing matters; the
 default (sized from memory) holds everything. ``--threads`` CPU threads are
 split between the cores.
 
-    python benchmarks/dp_routing.py --num-blocks 72 --max-num-seqs 8 --out docs/dp_routing.json
+    python benchmarks/features/dp_routing.py --num-blocks 72 --max-num-seqs 8 --out .bench/dp_routing.json
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
-from _common import report  # noqa: E402  (stdlib-only helpers of the peer workers)
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _common import report  # noqa: E402  (stdlib-only helpers of the benchmarks)
 
 SOURCES = ("argparse", "logging", "json", "csv")
 QUESTIONS = (
@@ -186,7 +186,7 @@ def main() -> None:
             "summary": summary,
             "loadavg_at_end": [round(x, 2) for x in load],
         },
-        "benchmarks/dp_routing.py",
+        "benchmarks/features/dp_routing.py",
         args.out,
     )
 

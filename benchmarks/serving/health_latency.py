@@ -9,8 +9,8 @@ context). Probes run in their own process so that the client's stream
 reading cannot delay them. Reports p50/p99/max of the probes taken with the
 streams alone (baseline) and during the huge request.
 
-    .venv/bin/python benchmarks/health_latency.py            # 64 streams, 10 MB
-    .venv/bin/python benchmarks/health_latency.py --json out.json
+    .venv/bin/python benchmarks/serving/health_latency.py            # 64 streams, 10 MB
+    .venv/bin/python benchmarks/serving/health_latency.py --json out.json
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
-from _common import report, serving, tokenloom_serve_cmd  # noqa: E402  (stdlib-only helpers of the peer workers)
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _common import report, serving, tokenloom_serve_cmd  # noqa: E402  (stdlib-only helpers of the benchmarks)
 
 WORDS = "the of and to in is was for on that with as by at from his her an which are".split()
 
@@ -229,7 +229,7 @@ def main() -> None:
     serve_cmd = tokenloom_serve_cmd(args.port, args.serve_args)
     with serving(serve_cmd, base_url, args.log, ROOT, timeout_s=args.timeout_s) as server:
         result = measure(args, base_url, server.pid)
-    report(result, "benchmarks/health_latency.py", args.json)
+    report(result, "benchmarks/serving/health_latency.py", args.json)
     during = result["during"]
     if during.get("probes", 0) and during["p99_ms"] > 100:
         print(f"p99 {during['p99_ms']} ms is above the 100 ms target", file=sys.stderr)

@@ -6,7 +6,7 @@ on the same seeded random workload shape, and writes a markdown table and a
 plot (output tokens/s against median TPOT, TTFT and end-to-end latency, one
 point per concurrency). Each level's full JSON results stay in ``--workdir``.
 
-    .venv/bin/python benchmarks/serve_curve.py --concurrencies 1 8 32 128
+    .venv/bin/python benchmarks/serving/serve_curve.py --concurrencies 1 8 32 128
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
-from _common import serving  # noqa: E402  (stdlib-only helpers of the peer workers)
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _common import serving  # noqa: E402  (stdlib-only helpers of the benchmarks)
 
 
 def run_level(args: argparse.Namespace, base_url: str, concurrency: int) -> dict[str, Any]:
@@ -117,11 +117,11 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--serve-args", default="", help="extra `tokenloom serve` arguments")
     ap.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "serve-curve")
-    ap.add_argument("--out-md", type=Path, default=ROOT / "docs" / "serve_curve.md")
-    ap.add_argument("--out-png", type=Path, default=ROOT / "docs" / "serve_curve.png")
+    ap.add_argument("--out-md", type=Path, default=ROOT / ".bench" / "serve_curve.md")
+    ap.add_argument("--out-png", type=Path, default=ROOT / ".bench" / "serve_curve.png")
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/serve_curve.py " + shlex.join(sys.argv[1:])
+    command = "python benchmarks/serving/serve_curve.py " + shlex.join(sys.argv[1:])
 
     base_url = f"http://127.0.0.1:{args.port}"
     serve_cmd = [

@@ -7,7 +7,12 @@ more than most kernel changes gain. Here both builds are loaded side by side
 round after round; the table gives medians over the rounds of each case's
 best of 5 calls, and whether the two builds' outputs are bit for bit equal.
 
-- ``attention`` (``model/csrc/paged_attention.cpp``), the default model's
+Each build compiles the ``csrc/`` tree of its revision (includes relative to
+``csrc/``) with ``torch.utils.cpp_extension.load`` for this CPU
+(``-march=native``), independently of how the package builds its own library;
+the revision must have its sources in ``csrc/`` at the repository root.
+
+- ``attention`` (``csrc/attention/paged_attention.cpp``), the default model's
   heads (9 query heads, 3 KV heads of 64), blocks of 16 on huge pages, 80% of
   a request's blocks following its previous one as in a busy engine:
   decodes over ``--layers`` layers' caches (so that K/V come from DRAM),
@@ -15,20 +20,19 @@ best of 5 calls, and whether the two builds' outputs are bit for bit equal.
   every layer as a step's weights evict them (with everything else the
   kernel touches, its scratch too: harsher than a step), a 2,048-token prompt step
   of fresh chunks (lengths log-uniform in 32-512). bfloat16 caches (what
-  quantized weights serve with), the prompt step also float32. V blocks are
-  [heads, block_size, dim]: a base revision before that layout (stop 36) reads
-  them as [block_size, heads, dim], so its outputs differ and its times mean little.
-- ``quant`` (``quantization/csrc/quant_linear.cpp``): the default model's
+  quantized weights serve with), the prompt step also float32.
+- ``quant`` (``csrc/quantization/quant_linear.cpp``): the default model's
   matrices (layer 3's four and the LM head) at 2,048, 128, 16 and 1 rows, and
-  the MLP's activation from gate_up (fused where a build has the op).
+  the MLP's activation from gate_up (``quant_linear_silu``).
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/kernel_ab.py --base HEAD~2 [--kernels attention quant] [--rounds 7]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/kernels/kernel_ab.py --base HEAD~2 [--kernels attention quant] [--rounds 7]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import random
 import statistics
 import subprocess
@@ -40,70 +44,99 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from attention_kernels import BLOCK, HEAD_DIM, HEADS, KV_HEADS, prompt_step  # noqa: E402
-
 from tokenloom.model import huge_pages  # noqa: E402
-from tokenloom.ops.cpu_kernels import _CFLAGS  # noqa: E402
 
-# Per kernel: its sources (the first is compiled, the rest are its includes)
-# and the op namespaces its TORCH_LIBRARY blocks register.
+# Per kernel: the translation unit compiled (under csrc/) and the op namespace
+# its TORCH_LIBRARY blocks register.
 KERNELS = {
-    "attention": (
-        ["tokenloom/model/csrc/paged_attention.cpp", "tokenloom/model/csrc/vec.h"],
-        "tokenloom_cpu",
-    ),
-    "quant": (
-        [
-            "tokenloom/quantization/csrc/quant_linear.cpp",
-            "tokenloom/quantization/csrc/quant_matrix.h",
-            "tokenloom/model/csrc/vec.h",
-            "tokenloom/model/csrc/denormals.h",
-        ],
-        "tokenloom_quant",
-    ),
+    "attention": ("attention/paged_attention.cpp", "tokenloom_cpu"),
+    "quant": ("quantization/quant_linear.cpp", "tokenloom_quant"),
 }
+# For this host, as the engine's kernels are meant to run: AVX-512 where the CPU has it.
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=fast"]
+# The default model's attention: 9 query heads, 3 KV heads of 64, blocks of 16.
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+_REGISTRATIONS = ("TORCH_LIBRARY", "TORCH_LIBRARY_IMPL", "TORCH_LIBRARY_FRAGMENT")
 # A case runs its kernel calls with one build's ops; it returns their output
 # and the seconds the calls took (only the calls: not the evictions between).
 Case = Callable[[Any], tuple[torch.Tensor, float]]
 
 
+def csrc_files(rev: str | None) -> dict[str, str]:
+    """Every file under ``csrc/`` at ``rev`` (None: the working tree), by path inside it."""
+    if rev is None:
+        base = ROOT / "csrc"
+        return {
+            str(path.relative_to(base)): path.read_text()
+            for path in sorted(base.rglob("*"))
+            if path.is_file()
+        }
+    listed = subprocess.run(
+        ["git", "ls-tree", "-r", "--name-only", rev, "csrc/"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    if not listed:
+        sys.exit(f"{rev} has no csrc/ at the repository root; pick a later revision")
+    files = {}
+    for path in listed:
+        shown = subprocess.run(
+            ["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True
+        )
+        files[path.removeprefix("csrc/")] = shown.stdout
+    return files
+
+
 def build(kernel: str, rev: str | None, tag: str) -> Any:
-    """Loads ``kernel``'s sources at ``rev`` (None: the working tree) as the
-    namespace ``<namespace>_<tag>``; returns that namespace's ops."""
+    """Compiles ``kernel``'s translation unit at ``rev`` (None: the working tree)
+    with its ops registered as ``<namespace>_<tag>``; returns that namespace."""
     from torch.utils import cpp_extension
 
-    sources, namespace = KERNELS[kernel]
-    texts = {}
-    for path in sources:
-        if rev is None:
-            text = (ROOT / path).read_text()
-        else:
-            shown = subprocess.run(
-                ["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True
-            )
-            if shown.returncode != 0 and path != sources[0]:
-                continue  # an include that revision does not have (nor use)
-            shown.check_returncode()
-            text = shown.stdout
-        for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_IMPL"):
+    source, namespace = KERNELS[kernel]
+    files = csrc_files(rev)
+    if source not in files:
+        sys.exit(f"{rev or 'the working tree'} has no csrc/{source}")
+    for path, text in files.items():
+        for macro in _REGISTRATIONS:
             text = text.replace(f"{macro}({namespace},", f"{macro}({namespace}_{tag},")
-        texts[path] = text
-    digest = hashlib.sha256("".join(texts.values()).encode()).hexdigest()[:12]
+        files[path] = text
+    digest = hashlib.sha256(repr(sorted(files.items())).encode()).hexdigest()[:12]
     tree = Path.home() / ".cache" / "tokenloom" / "kernel_ab" / digest
-    for path, text in texts.items():
-        (tree / path).parent.mkdir(parents=True, exist_ok=True)
-        (tree / path).write_text(text)
+    for path, text in files.items():
+        (tree / "csrc" / path).parent.mkdir(parents=True, exist_ok=True)
+        (tree / "csrc" / path).write_text(text)
     cpp_extension.load(
         name=f"{kernel}_ab_{digest}",
-        sources=[str(tree / sources[0])],
-        extra_cflags=_CFLAGS,
+        sources=[str(tree / "csrc" / source)],
+        extra_cflags=CFLAGS,
+        extra_include_paths=[str(tree / "csrc")],
         build_directory=str(tree),
         is_python_module=False,
     )
     return getattr(torch.ops, f"{namespace}_{tag}")
+
+
+def prompt_step(seed: int) -> tuple[list[int], torch.Tensor, int]:
+    """A 2,048-token step of fresh prompt chunks, lengths log-uniform in 32-512:
+    the lengths, their block table (each chunk's blocks in a row from block 1)
+    and the number of blocks a cache for them needs."""
+    rng = random.Random(seed)
+    lengths: list[int] = []
+    while sum(lengths) < 2048:
+        drawn = int(math.exp(rng.uniform(math.log(32), math.log(512))))
+        lengths.append(min(drawn, 2048 - sum(lengths)))
+    blocks = [-(-n // BLOCK) for n in lengths]
+    table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
+    first = 1
+    for row, n in enumerate(blocks):
+        table[row, :n] = torch.arange(first, first + n)
+        first += n
+    return lengths, table, first
 
 
 def adjacent_tables(
@@ -209,34 +242,19 @@ def quant_cases() -> dict[str, Case]:
             x = torch.randn(rows, weight.in_features, generator=generator)
             cases[f"{name}, {rows} rows"] = matmul_case(x, weight.kernel_args())
             if name == "gate_up_proj":
-                cases[f"{name} and SiLU, {rows} rows"] = silu_case(x, weight.kernel_args())
+                cases[f"{name} and SiLU, {rows} rows"] = matmul_case(
+                    x, weight.kernel_args(), "quant_linear_silu"
+                )
     return cases
 
 
-def matmul_case(x: torch.Tensor, args: tuple[object, ...]) -> Case:
-    def run(ops: Any) -> tuple[torch.Tensor, float]:
-        start = time.perf_counter()
-        out = ops.quant_linear(x, *args)
-        return out, time.perf_counter() - start
-
-    return run
-
-
-def silu_case(x: torch.Tensor, args: tuple[object, ...]) -> Case:
-    """The MLP's activation from its gate_up projection: the fused op where the
-    build has it, else the projection, then layer_ops' silu_and_mul."""
-    from tokenloom.ops.cpu_kernels import layer_ops_available
-
-    assert layer_ops_available(torch.device("cpu"), torch.float32)
+def matmul_case(x: torch.Tensor, args: tuple[object, ...], op: str = "quant_linear") -> Case:
+    """``op`` on ``x``: ``quant_linear``, or ``quant_linear_silu`` (the MLP's
+    activation straight from its gate_up projection)."""
 
     def run(ops: Any) -> tuple[torch.Tensor, float]:
         start = time.perf_counter()
-        if hasattr(ops, "quant_linear_silu"):
-            out = ops.quant_linear_silu(x, *args)
-        else:
-            gate_up = ops.quant_linear(x, *args)
-            out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-            torch.ops.tokenloom_cpu.silu_and_mul(out, gate_up)
+        out = getattr(ops, op)(x, *args)
         return out, time.perf_counter() - start
 
     return run

@@ -12,7 +12,6 @@ the median time of:
   (Q4_0/Q4_1/Q4_K): int8 activations per 8 columns, VNNI integer dot products;
 - ``ours-q8``: the same on the 8-bit layout without mins (Q8_0);
 - ``ours-q6k``: the 6-bit layout with scales per 16 columns (Q6_K);
-- ``ours-q6k-as-int8``: Q6_K widened to the 8-bit layout, as before the 6-bit one;
 - ``int4pack-bf16``: ``aten._weight_int4pack_mm_for_cpu``, bf16 activations, group 32;
 - ``int8pack``: ``aten._weight_int8pack_mm`` (per-channel int8), float32
   activations (scalar: slow, only with ``--columns``);
@@ -23,7 +22,7 @@ PyTorch's kernels are timed for speed only: none reproduces the GGUF weights
 CPU clock instead of the wall clock, which a loaded machine disturbs less (use
 it with one thread only).
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/quant_kernels.py [--rows 1 8 32 128]
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/kernels/quant_kernels.py [--rows 1 8 32 128]
         [--shapes default 1b] [--columns fp32 ours-q4 ...] [--threads 2] [--cpu-time]
 """
 
@@ -70,7 +69,6 @@ DEFAULT_COLUMNS = [
     "ours-q4",
     "ours-q8",
     "ours-q6k",
-    "ours-q6k-as-int8",
     "int4pack-bf16",
     "dyn-int8",
 ]
@@ -88,18 +86,16 @@ def median_ms(fn: Callable[[], object], cpu_time: bool = False, budget_s: float 
     return statistics.median(times) * 1e3
 
 
-def q6k_layouts(w: torch.Tensor) -> tuple[QuantizedWeight, QuantizedWeight]:
+def q6k_layout(w: torch.Tensor) -> QuantizedWeight:
     """Q6_K's codes (0..63, a scale per 16 columns, min -32 times it) from float
-    weights, in the 6-bit layout and widened to the 8-bit one."""
+    weights, in the 6-bit layout."""
     n, k = w.shape
     groups = F.pad(w, (0, -k % 32)).view(n, -1, 16)
     scales = GroupFactors(groups.abs().amax(-1).clamp_min(1e-8) / 31)
     codes = (torch.round(groups / scales.base.unsqueeze(-1)).clamp(-32, 31) + 32).view(n, -1)
     qweight, qhigh = pack_codes(codes.numpy(), 6)
     mins = GroupFactors(scales.base, multiplier=-32.0)
-    six = QuantizedWeight(6, 16, k, qweight, scales, mins, qhigh)
-    widened = QuantizedWeight(8, 16, k, (codes - 32).to(torch.int8), scales, None)
-    return six, widened
+    return QuantizedWeight(6, 16, k, qweight, scales, mins, qhigh)
 
 
 def candidates(
@@ -114,11 +110,10 @@ def candidates(
     if "bf16" in columns:
         wb, xb = w.bfloat16(), x.bfloat16()
         out["bf16"] = lambda: F.linear(xb, wb)
-    p4, p8, p6k, p6k8 = (PanelWeight.from_rows(q) for q in (q4, q8, *q6k_layouts(w)))
+    p4, p8, p6k = (PanelWeight.from_rows(q) for q in (q4, q8, q6k_layout(w)))
     out["ours-q4"] = lambda: quant_matmul(x, p4)
     out["ours-q8"] = lambda: quant_matmul(x, p8)
     out["ours-q6k"] = lambda: quant_matmul(x, p6k)
-    out["ours-q6k-as-int8"] = lambda: quant_matmul(x, p6k8)
     if not {"int4pack-bf16", "int8pack", "dyn-int8"} & set(columns):
         return {name: fn for name, fn in out.items() if name in columns}
     try:

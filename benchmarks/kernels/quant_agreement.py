@@ -2,15 +2,16 @@
 model, on three local texts, as the numerics test measures it on one.
 
 Teacher-forced over the first 4,096 tokens of each text (numpy's LICENSE.txt,
-the numerics test's; torch's ``__init__.py``; this repository's
-``docs/benchmarks.md``), 4 tokens a forward pass as the test runs it (the
+the numerics test's; the pinned torch's ``__init__.py``; ``agreement_text.md``
+beside this script, a fixed English and Markdown text kept for this and never
+edited), 4 tokens a forward pass as the test runs it (the
 decoder stack and the int8 kernel serving uses), over the KV cache ``auto``
 gives each model: the argmax agreement with the dequantized float32 model and
 the perplexity ratio. ``--per-16`` names the matrices whose activations are
 rounded per 16 columns instead of 8 (default: what ``panels.act_group_for``
 picks), to see what a coarser rounding would cost before building it.
 
-    .venv/bin/python benchmarks/quant_agreement.py [--per-16 gate_up_proj,o_proj]
+    .venv/bin/python benchmarks/kernels/quant_agreement.py [--per-16 gate_up_proj,o_proj]
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import tokenloom.quantization.panels as panels  # noqa: E402
@@ -41,7 +42,7 @@ def texts() -> dict[str, str]:
     return {
         "numpy LICENSE.txt": Path(str(license_file.locate())).read_text(),
         "torch __init__.py": Path(torch.__file__).read_text(),
-        "docs/benchmarks.md": (ROOT / "docs" / "benchmarks.md").read_text(),
+        "agreement_text.md": (Path(__file__).parent / "agreement_text.md").read_text(),
     }
 
 

@@ -12,8 +12,8 @@ Also measured: the time per step spent filling the grammar bitmask (engine,
 matchers) and applying it to the logits (runner), and the grammar compile
 counter: the schema is shared by every request, so it is compiled once.
 
-    .venv/bin/python benchmarks/structured_outputs.py
-    .venv/bin/python benchmarks/structured_outputs.py --repeats 3 --json out.json
+    .venv/bin/python benchmarks/features/structured_outputs.py
+    .venv/bin/python benchmarks/features/structured_outputs.py --repeats 3 --json out.json
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 from _common import cpu_model  # noqa: E402  (stdlib-only helpers of the benchmarks)
 
 SCHEMA: dict[str, Any] = {

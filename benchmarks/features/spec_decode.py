@@ -22,7 +22,7 @@ time. Greedy outputs are checked to be identical with speculation on and off.
 The CPU and the 1-minute load average before and after each row are recorded
 (the machine may be shared).
 
-    python benchmarks/spec_decode.py --concurrency 1,4,16,64 --repeats 3 --out docs/spec_decode.json
+    python benchmarks/features/spec_decode.py --concurrency 1,4,16,64 --repeats 3 --out .bench/spec_decode.json
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
-from _common import cpu_model  # noqa: E402  (stdlib-only helpers of the peer workers)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import cpu_model  # noqa: E402  (stdlib-only helpers of the benchmarks)
 
 TASKS = (
     "Copy the following passage exactly, word for word.\n\n{passage}",

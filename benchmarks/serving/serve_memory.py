@@ -9,7 +9,7 @@ fixed ids, ``--max-tokens`` greedy tokens), then reads each process's ``VmRSS``
 loading included). The sum of the peaks bounds the tree's peak from above.
 
     G=.bench/gguf/llama-1b-random-Q4_K_M.gguf
-    .venv/bin/python benchmarks/serve_memory.py --serve-args "--model $G --max-model-len 2048 \\
+    .venv/bin/python benchmarks/serving/serve_memory.py --serve-args "--model $G --max-model-len 2048 \\
         --kv-cache-memory-bytes 134217728"
 """
 
@@ -25,9 +25,9 @@ from typing import Any
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
-from _common import report, serving, tokenloom_serve_cmd  # noqa: E402  (stdlib-only helpers of the peer workers)
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _common import report, serving, tokenloom_serve_cmd  # noqa: E402  (stdlib-only helpers of the benchmarks)
 
 
 def status_mb(pid: int) -> dict[str, float]:
@@ -89,7 +89,7 @@ def main() -> None:
     serve_cmd = tokenloom_serve_cmd(args.port, args.serve_args)
     with serving(serve_cmd, base_url, args.log, ROOT, timeout_s=args.timeout_s) as server:
         result = measure(args, base_url, server.pid)
-    report(result, "benchmarks/serve_memory.py", args.json)
+    report(result, "benchmarks/serving/serve_memory.py", args.json)
 
 
 if __name__ == "__main__":

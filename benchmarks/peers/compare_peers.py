@@ -6,13 +6,14 @@ in its own subprocess (and, for vLLM, its own venv) with start-up, compile
 and one common warm-up excluded from timing. Each figure is the median of
 ``--repeats`` runs; the CPU time used by other processes during each run is
 recorded. The machine's fp32/bf16 matmul ceilings give a compute floor per
-workload. Results go to docs/peers.md and docs/peers.png.
+workload. The report and its plot go to ``--out-md`` and ``--out-png`` (default:
+``.bench/peers.md`` and ``.bench/peers.png``); docs/benchmarks.md keeps the figures.
 
-    .venv/bin/python benchmarks/compare_peers.py            # everything
-    .venv/bin/python benchmarks/compare_peers.py --engines vllm,hf --repeats 1
+    .venv/bin/python benchmarks/peers/compare_peers.py            # everything
+    .venv/bin/python benchmarks/peers/compare_peers.py --engines vllm,hf --repeats 1
 
 Peer set-up: benchmarks/peers/setup_vllm.sh, benchmarks/peers/export_hf.py,
-benchmarks/peers/setup_llamacpp.sh (see /work/shared/PEERS.md).
+benchmarks/peers/setup_llamacpp.sh (see benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PEERS = ROOT / "benchmarks" / "peers"
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "benchmarks"))  # _common, the stdlib-only helpers
 
 from tokenloom.bench.datasets import (  # noqa: E402
     BenchRequest,
@@ -416,7 +418,6 @@ def run_hf_sweep(
 
 
 def machine_info() -> str:
-    sys.path.insert(0, str(PEERS))
     from _common import cpu_model
 
     model = cpu_model()
@@ -556,7 +557,7 @@ def write_report(
     )
     text = f"""# tokenloom vs. peer engines (offline throughput)
 
-Produced by `benchmarks/compare_peers.py` on {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}:
+Produced by `benchmarks/peers/compare_peers.py` on {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}:
 
 ```
 {command}
@@ -700,8 +701,8 @@ def main() -> None:
     ap.add_argument("--ceiling-n", type=int, default=1024)
     ap.add_argument("--note", default="", help="a paragraph for the report (conditions, caveats)")
     ap.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "work")
-    ap.add_argument("--out-md", type=Path, default=ROOT / "docs" / "peers.md")
-    ap.add_argument("--out-png", type=Path, default=ROOT / "docs" / "peers.png")
+    ap.add_argument("--out-md", type=Path, default=ROOT / ".bench" / "peers.md")
+    ap.add_argument("--out-png", type=Path, default=ROOT / ".bench" / "peers.png")
     args = ap.parse_args()
     if args.repeats < 1 or args.rounds < 1:
         raise SystemExit("--repeats and --rounds must be >= 1")
@@ -709,7 +710,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown engine(s) {sorted(unknown)}; choose from {ALL_ENGINES}")
     global COMMAND
-    command = COMMAND = shlex.join(["python", "benchmarks/compare_peers.py", *sys.argv[1:]])
+    command = COMMAND = shlex.join(["python", "benchmarks/peers/compare_peers.py", *sys.argv[1:]])
     args.workdir.mkdir(parents=True, exist_ok=True)
 
     if not (args.hf_model / "config.json").exists():
@@ -734,7 +735,6 @@ def main() -> None:
         paths[name] = args.workdir / f"workload-{name}.json"
         save_workload(reqs, paths[name])
 
-    sys.path.insert(0, str(PEERS))
     from _common import wait_for_idle
 
     print("measuring matmul ceilings ...", flush=True)

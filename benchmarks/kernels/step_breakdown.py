@@ -12,8 +12,8 @@ The floor: bytes of the weights one step reads (every layer's matrices and the
 LM head; norms are negligible) over the memory read bandwidth measured here
 (a sum over a buffer larger than the caches, on the same threads).
 
-    .venv/bin/python benchmarks/step_breakdown.py                 # float32, 2 threads
-    .venv/bin/python benchmarks/step_breakdown.py --kv-cache-dtype bfloat16 --json out.json
+    .venv/bin/python benchmarks/kernels/step_breakdown.py                 # float32, 2 threads
+    .venv/bin/python benchmarks/kernels/step_breakdown.py --kv-cache-dtype bfloat16 --json out.json
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def read_bandwidth_gbs(megabytes: int = 1024, repeats: int = 5) -> float:
@@ -209,7 +209,7 @@ def main() -> None:
         "step_over_floor": round(phases["total"] / floor_ms, 2),
         "profiled_ops_per_step": round(calls, 1),
         "top_ops": ops,
-        "command": "python benchmarks/step_breakdown.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/kernels/step_breakdown.py " + " ".join(sys.argv[1:]),
     }
     print(f"CPU: {result['cpu']}, {args.threads} threads, load {load[0]:.2f}")
     print(f"dtype {result['dtype']}, KV cache {result['kv_cache_dtype']}, ctx {result['context']}")
