@@ -55,7 +55,7 @@ def extension(variant) -> CppExtension:
         name=f"tokenloom._C_{variant.name}",
         sources=SOURCES,
         include_dirs=[str(ROOT / CSRC)],
-        extra_compile_args=[*variants["COMMON_COMPILE_ARGS"], *variant.compile_args],
+        extra_compile_args=variant.compiler_flags(),
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,8 @@ def main() -> int:
     import tokenloom
     from tokenloom.ops import cpu_variants, native_library
 
+    compilers = [c for c in ("c++", "g++", "gcc", "cc", "clang") if shutil.which(c)]
+    assert not compilers, f"a compiler is reachable: {compilers}"
     package = Path(tokenloom.__file__).resolve().parent
     assert Path(sys.prefix).resolve() in package.parents, f"tokenloom from {package}, not the venv"
     machine = platform.machine()

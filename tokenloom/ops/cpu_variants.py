@@ -30,12 +30,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+# Flags every variant is compiled with. -fopenmp only at compile time: the
+# library's OpenMP calls resolve, when it is loaded, to the runtime torch
+# already loaded, so its parallel regions and torch's share one thread pool.
+COMMON_COMPILE_ARGS = ("-O3", "-fopenmp", "-ffp-contract=fast")
+
 
 @dataclass(frozen=True)
 class CpuVariant:
     name: str
     compile_args: tuple[str, ...]  # instruction-set flags for the compiler
     cpu_flags: frozenset[str]  # /proc/cpuinfo flags its code may use
+
+    def compiler_flags(self) -> list[str]:
+        """Everything a source of csrc/ is compiled with for this variant (also
+        for builds of the kernels outside setup.py, such as A/B benchmarks)."""
+        return [*COMMON_COMPILE_ARGS, *self.compile_args]
 
 
 # The x86-64 micro-architecture levels, as /proc/cpuinfo names their features
@@ -61,11 +71,6 @@ X86_64_VARIANTS = (
     CpuVariant("avx2_vnni", ("-march=x86-64-v3", "-mavxvnni"), _X86_64_V3 | {"avx_vnni"}),
     CpuVariant("avx2", ("-march=x86-64-v3",), _X86_64_V3),
 )
-
-# Flags every variant is compiled with. -fopenmp only at compile time: the
-# library's OpenMP calls resolve, when it is loaded, to the runtime torch
-# already loaded, so its parallel regions and torch's share one thread pool.
-COMMON_COMPILE_ARGS = ("-O3", "-fopenmp", "-ffp-contract=fast")
 
 
 def variants_for(machine: str) -> tuple[CpuVariant, ...]:
