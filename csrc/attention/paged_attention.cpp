@@ -6,9 +6,8 @@
 // request (as many as kMaxRows holds with all their heads) and one KV group: it
 // scores their visible context for that group's query heads together (one K/V
 // load feeds every head of every token), applies a softmax and sums V; in a
-// batch of many decodes, a unit is one decode and all its groups. (A 2,048-token
-// prompt step ran 1.19x faster with two tokens, six rows, a unit than with one.)
-// Units are handed out dynamically to torch's intra-op threads because context
+// batch of many decodes, a unit is one decode and all its groups. Units are
+// handed out dynamically to torch's intra-op threads because context
 // lengths differ widely within a batch; a small batch runs on the calling
 // thread alone. Head sizes are compiled in (see `paged_attention`).
 //
@@ -76,8 +75,7 @@ inline vec load_kv(const c10::Half* p) {
 // Without AVX512_BF16 (kBf16Dot below), a bfloat16 cache is read two rows at a
 // time: 32 elements as 16 32-bit lanes of two neighbours each. Shifting a lane
 // left by 16 gives its first element as a float32 and masking gives its second,
-// where widening every 16 elements took a lane-crossing vpmovzxwd and a shift:
-// the bf16 cache's prompt attention ran 1.7x slower than a float32 cache's.
+// where widening every 16 elements takes a lane-crossing vpmovzxwd and a shift.
 // Paired vectors hold the even elements of the two rows in one vector and the
 // odd ones in another, so the math around them works on that order (queries and
 // value sums below); each lane sees the same products in the same order, so
@@ -88,7 +86,7 @@ constexpr bool kWholeRowPairs = std::is_same_v<T, c10::BFloat16> && D % (2 * kLa
 
 // With AVX512_BF16 a bfloat16 cache is not converted at all: vdpbf16ps
 // multiplies pairs of bfloat16 elements and adds both products to a float32
-// lane, one instruction where the conversion and two FMAs took three or more,
+// lane, one instruction where the conversion and two FMAs take three or more,
 // on the FMA pipes that bound the prompt's attention. Its other operand is
 // bfloat16 too: queries (times the score scale) and softmax numerators are
 // rounded to bfloat16, to nearest even, as vLLM's bfloat16 attention rounds them;
@@ -461,11 +459,9 @@ using ValueSumFor = ValueSum<D, HEADS, T>;
 
 // How far ahead of the keys being read their cache lines are requested.
 // Blocks sit anywhere in the cache, so the hardware prefetcher loses the
-// stream at every block's end. The lines are requested key by key, every line
-// (the previous code asked for every other one, one block ahead), so the
+// stream at every block's end. Every line is requested, key by key, so the
 // distance in bytes is the same whatever the block size, and the V pass's
-// first lines are on their way while the K pass ends: 128 decodes of 400
-// tokens ran 1.2x faster on an AMD EPYC (Zen 4), float32 and bfloat16 caches.
+// first lines are on their way while the K pass ends.
 constexpr int64_t kAheadKeys = 64;
 
 // One KV group's keys as one stream: K of keys 0..n-1 at positions 0..n-1,
@@ -573,8 +569,8 @@ inline void softmax_rows(float* scores, int64_t stride, int64_t n, int64_t padde
 // the tokens tasks[0 .. ROWS / heads), consecutive tokens of one request. Row
 // r is token r / heads, head head + r % heads; its queries and scores are row
 // r of the scratch's. The rows share every K and V load (and a bfloat16 key
-// pair's permute: with one token's three heads, permutes were a third of the
-// prompt's vector ops). Keys past a row's own context (the tile's later tokens
+// pair's permute, a large share of a prompt's vector work when a token has few
+// heads). Keys past a row's own context (the tile's later tokens
 // see one more each) are scored and then given no weight, so a row's result
 // is the same bits as alone.
 template <int64_t D, int64_t ROWS, typename T>
@@ -621,15 +617,14 @@ void attend_rows(const Problem<T>& p, const Task* tasks, int64_t head, int64_t h
 // The most KV heads attend_blocks takes.
 constexpr int64_t kMaxBlockGroups = 8;
 // How far ahead attend_blocks requests lines, in keys (each key's K and V of
-// every head: 16, 32 and 64 measured alike).
+// every head).
 constexpr int64_t kAheadBlockKeys = 32;
 
 // One decode token against every KV group of HEADS heads, block by block: each
 // block's K (the groups' [D, block_size] one after another) and then its V (the
 // groups' [block_size, D]) are read in address order, where group by group a
-// pass read a few KB in every block. A request's blocks mostly follow one another in the cache
-// (78-84% of neighbouring blocks in the main workload's decode steps), so the
-// reads become nearly one stream.
+// pass would read a few KB in every block. A request's blocks mostly follow one
+// another in the cache, so the reads become nearly one stream.
 template <int64_t D, int64_t HEADS, typename T>
 void attend_blocks(const Problem<T>& p, const Task& task, Scratch& scratch) {
   const int64_t n = task.visible, block_size = p.block_size, stride = scratch.stride;
@@ -643,9 +638,8 @@ void attend_blocks(const Problem<T>& p, const Task& task, Scratch& scratch) {
     const T* k_block = stream.k_block(first / block_size);
     const int64_t in_block = std::min(block_size, n - first);
     // Without kBf16Dot, rows of keys unpaired: every head's paired queries (8x
-    // the floats, 18 KB for 9 heads of 64) shared L1 with the K/V streaming
-    // through, and 128 decodes ran 5% slower. The values, which need no query,
-    // are paired. With it, queries take D / 2 words a head.
+    // the floats, 18 KB for 9 heads of 64) would share L1 with the K/V
+    // streaming through. The values, which need no query, are paired. With it, queries take D / 2 words a head.
     constexpr Queries L = kDecodeQueries<D, T>;
     for (int64_t g = 0; g < groups; ++g) {
       score_block<D, HEADS, L>(
@@ -745,9 +739,8 @@ void attend_all_groups(const Problem<T>& p, const Task& task, Scratch& scratch) 
 // join per layer) costs more than it saves: a batch-1 decode over a short
 // context runs on the calling thread alone. Above it, a decode's K/V come cold
 // from DRAM, scattered over pages that one thread reads at a fraction of the
-// bandwidth: at 1 << 18 a batch-1 decode over 200 tokens ran single-threaded,
-// and on an AMD EPYC (Zen 4) its step took 7.1 ms against 6.6 at this value
-// (medians of 3 alternating runs of benchmarks/step_breakdown.py).
+// bandwidth, so a batch-1 decode over a few hundred tokens already uses every
+// thread.
 constexpr int64_t kMinWorkPerThread = 1 << 15;
 
 // Work units (query tile, KV group) are handed out dynamically to torch's
@@ -755,12 +748,10 @@ constexpr int64_t kMinWorkPerThread = 1 << 15;
 // token's groups can go to different threads, so a single long decode uses them all.
 // A request's units go out group by group: consecutive query tiles of a prompt
 // chunk then read the same group's K/V, which stays in L2 (token by token, every
-// group's K/V passed through it in turn: a 2,048-token chunk ran 1.4x slower).
-// In a batch with enough decodes to keep every thread busy, a decode is one
-// unit instead, all its groups read block by block (attend_all_groups): 64
-// decodes of 216 tokens from DRAM, bfloat16, ran 2.0x (one thread) and 1.6x
-// (two) faster so when a request's blocks follow one another in the cache than
-// group by group (at random places: 1.0x).
+// group's K/V would pass through it in turn). In a batch with enough decodes to
+// keep every thread busy, a decode is one unit instead, all its groups read
+// block by block (attend_blocks), which streams when a request's blocks follow
+// one another in the cache.
 constexpr int64_t kWholeDecodesPerThread = 4;
 constexpr int32_t kAllGroups = -1;
 
@@ -924,7 +915,7 @@ void paged_attention(
 
 // Sixteen floats as the cache's type at dst, rounded to nearest even as torch's
 // conversion rounds: one instruction each for bfloat16 (AVX512_BF16) and
-// float16 (AVX-512), where element by element the write took 1% of a run.
+// float16 (AVX-512) rather than one conversion per element.
 // (Both treat float32 denormals as zero; the matmuls producing K and V flush them.)
 template <typename T>
 inline void convert16(const float* src, T* dst) {

@@ -2,8 +2,7 @@
 //
 // Products of tiny weight and activation scales fall below float32's normal
 // range (a random-weight 1B model's activations reach 1e-33), and every op on a
-// denormal costs a microcode assist: the 1B shape's down projection ran 5x
-// slower on such activations. The quantized matmul and the element-wise layer
+// denormal costs a microcode assist, many times an ordinary op. The quantized matmul and the element-wise layer
 // ops flush them alike, so that the matmul's fused SwiGLU output equals
 // silu_and_mul's to the bit (silu(g) * u of a very negative g is denormal).
 #pragma once

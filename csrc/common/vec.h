@@ -23,7 +23,7 @@ inline vec load(const float* p) { return *reinterpret_cast<const vec_unaligned*>
 inline void store(float* p, vec v) { *reinterpret_cast<vec_unaligned*>(p) = v; }
 
 // Pairwise, halving the vector each step: four dependent adds where a lane-by-
-// lane loop chains sixteen (that loop was most of quantizing activations).
+// lane loop chains sixteen.
 inline float lane_sum(vec v) {
   v += __builtin_shuffle(v, ivec{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
   v += __builtin_shuffle(v, ivec{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});

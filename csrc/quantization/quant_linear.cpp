@@ -33,23 +33,24 @@
 //   gsum  = sum over groups a in g of float(dot(q[n, a], xq[m, a])) * xs[m, a]
 //   y[m, n] += gsum * scale[n, g] + min[n, g] * sum over g's columns of xs * xq,
 // i.e. exactly dequant(W) against the rounded activations. (The float x in the
-// min term alone is worse: Q4_1's codes and mins are far from centred, and the
-// default model's argmax agreement fell from 98% to 95%.) The conversion and FMA
+// min term alone would be less accurate: Q4_1's codes and mins are far from
+// centred.) The conversion and FMA
 // of each group share Zen 4's two pipes with the two `vpdpbusd` of every
 // sub-unit, so 16 columns take 5 of those slots where 8 take 3 each. Not per 32
-// as llama.cpp's Q8_0: per 32 moved the default model's greedy argmax away
-// from the float model's at 3.3% of teacher-forced positions (per 8: 1.9%).
+// as llama.cpp's Q8_0: coarser groups move the greedy argmax further from the
+// float model's.
 //
 // Every row count runs this one loop, each activation row with its own
 // accumulators in the order above: a row's result does not depend on the
 // batch beside it, nor on the thread count (a greedy answer must not change
 // with the requests served beside it). The dot products are `vpdpbusd` (u8 x
 // s8 -> s32) on AVX-512 VNNI or AVX-VNNI, or `vpmaddubsw` + `vpmaddwd` on AVX2,
-// chosen at compile time (the build is -march=native). Codes are the unsigned
+// chosen at compile time: each variant of the library is built for one
+// instruction set (tokenloom/ops/cpu_variants.py). Codes are the unsigned
 // side: 4- and 6-bit codes as they are; signed 8-bit codes with VNNI as q + 128, the
 // -128 * scale that adds joining the min term; without VNNI as |q| against
-// sign(xq, q). Without AVX2 the build fails and kernels.py falls back to
-// dequantizing.
+// sign(xq, q). Without AVX2 there is no variant, and quantization/kernels.py
+// dequantizes instead.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -69,14 +70,14 @@
 namespace tokenloom {
 namespace {
 
-constexpr int64_t kPanel = 16;     // output rows per panel (formats.PANEL)
+constexpr int64_t kPanel = 16;     // output rows per panel (panels.py's PANEL)
 constexpr int64_t kWordBytes = 4;  // bytes of one row per word
 constexpr int64_t kBlock = 32;     // columns per 4-bit block and padding unit
 constexpr int64_t kSubUnit = 8;    // activation columns per two dot products of a row
 // How far ahead of its loads the kernel prefetches the weight stream. Batch-1
 // decode reads each matrix once a step from L3 or DRAM, and the hardware
-// prefetcher restarts at every 4 KB page: the default model's step ran 15%
-// faster with it (2, 4 and 8 KB measured alike, within the machine's noise).
+// prefetcher restarts at every 4 KB page, so the kernel requests the lines a
+// page ahead itself.
 constexpr int64_t kPrefetchBytes = 4096;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -177,13 +178,13 @@ inline void store_first(float* p, fvec_t v, int64_t count) {
   std::copy(lanes, lanes + count, p);
 }
 #else
-#error "the quantized kernel needs AVX2; kernels.py falls back to dequantizing"
+#error "the quantized kernel needs AVX2 (see tokenloom/ops/cpu_variants.py)"
 #endif
 
 // Signed 8-bit codes become the unsigned side as q + 128 with VNNI.
 constexpr bool kShiftedCodes8 = TL_VNNI;
 
-// Per-group scales or mins in panel order (formats.py's GroupFactors):
+// Per-group scales or mins in panel order (panels.py's GroupFactors):
 // value(n, g) = multiplier * base(n, g / per) * codes(n, g), or multiplier *
 // base(n, g) without codes; base [panels, groups / per, 16], codes [panels,
 // groups, 16].
@@ -201,7 +202,7 @@ struct Factors {
 
   // Group g of panel `panel`'s kRowsPerVec rows from row `lane` of it. Inlined,
   // and shifting where it can instead of dividing: it runs once per weight
-  // group, and as an out-of-line call with two int64 divisions it took longer
+  // group, where an out-of-line call with two int64 divisions would cost more
   // than the batch-1 dot products.
   __attribute__((always_inline)) fvec_t load(int64_t panel, int64_t lane, int64_t g) const {
     const int64_t base_group = per_shift >= 0 ? g >> per_shift : g / per;
@@ -225,8 +226,7 @@ struct QuantWeight {
   Factors scales;
   Factors mins;  // empty: no offsets
   // Q4_0's min (-8 d) and Q6_K's (-32 d sc) are a constant times the scale, on
-  // the scale's own tensors: one multiply instead of loading them again, which
-  // with groups of 16 took a sixth of a batch-1 Q6_K matmul.
+  // the scale's own tensors: one multiply instead of loading them again.
   bool min_from_scale = false;
   float min_per_scale = 0.0f;
 
@@ -289,8 +289,7 @@ struct QuantActs {
         groups(w.groups),
         rows(rows) {
     const int64_t tiles = (rows + kTileM - 1) / kTileM;
-    // Not zeroed: quantize_row writes every word and scale a tile's rows use
-    // (zeroing them took 1% of a prompt step's samples, in memset).
+    // Not zeroed: quantize_row writes every word and scale a tile's rows use.
     words.reset(new int32_t[tiles * act_groups * kTileM * act_words]);
     scales.reset(new float[tiles * act_groups * kTileM]);
     if (w.min_term()) sums.reset(new float[rows * groups]);
@@ -316,7 +315,7 @@ struct QuantActs {
   // Row m: 32 columns at a time for 4 bits (Halves = 2: both halves of a block
   // side by side, so a group of Group columns is float lanes Group / 2 * i ..
   // of each half), 16 for 6 and 8 bits (Halves = 1: Group consecutive lanes).
-  // Vectorised: scalar, it took a third of a 128-row down projection. Members
+  // Vectorised: scalar, it would be a large share of a prompt's matmul. Members
   // are copied to locals first: the code stores would otherwise make the
   // compiler reload them after every store.
   template <int Halves, int Group>
@@ -351,7 +350,7 @@ struct QuantActs {
         amax = max(amax, abs(part[h]));
       }
       // One division for the unit's inverses, where dividing x by the scale
-      // took one more per 16 columns.
+      // would take one more per 16 columns.
       const vec peak = run_max<Run>(amax);
       const vec d = peak * (1.0f / 127.0f);
       const vec inverse = peak > 0.0f ? 127.0f / peak : vec{};  // an all-zero group stays zero
@@ -407,7 +406,7 @@ __attribute__((always_inline)) inline ivec_t sub_unit_dot(ivec_t dot, ivec_t fir
 // dst[r * dst_stride + j] for r < MR, j < count: the kRowsPerVec rows at
 // `lane` of panel p against the activation tile from row m0 (a multiple of
 // kTileM), whose MR rows lie side by side, with activation groups of AG columns.
-// Not inlined: inlined into panel_gemm, the 16-column loop ran 0.77-0.84x.
+// Not inlined: inlined into panel_gemm, it slows the 16-column loop.
 template <int Bits, int MR, int AG>
 __attribute__((noinline)) void panel_tile(const QuantWeight& w, const QuantActs& a, int64_t p,
                                           int64_t lane, int64_t m0, float* dst,
@@ -522,11 +521,10 @@ void any_tile(int64_t rows, const QuantWeight& w, const QuantActs& a, int64_t p,
 
 // Bytes of weights, and of quantized activations, a thread works on at once:
 // blocks of both that fit its L2 together, so that with many rows neither is
-// re-read from L3 per panel (2048 rows ran at 60% of 512 rows' rate without).
+// re-read from L3 per panel.
 constexpr int64_t kBlockBytes = 256 << 10;
 // Chunks a thread takes of a matmul, on average, where they are handed out:
-// the last is short, and each is still a run of panels streaming in order (a
-// 16-row LM head ran 0.64x with chunks of 4 of its 3,072 panels).
+// the last is short, and each is still a run of panels streaming in order.
 constexpr int64_t kChunksPerThread = 8;
 
 // What a matmul writes: its n_out columns, or (kSiluPairs) silu(y[:, :n_out / 2])
@@ -534,8 +532,7 @@ constexpr int64_t kChunksPerThread = 8;
 // projection. Then output panel j is computed with panels j (gate) and j +
 // n_out / 32 (up), tile by tile on one thread: the [T, n_out] product is never
 // stored, nor read back by a separate op, half of whose rows the other core had
-// written (the default model's 30 gate_up matmuls and that op: 1.03x at 128
-// rows, 1.06-1.10x at 2,048).
+// written.
 enum class Epilogue { kStore, kSiluPairs };
 static_assert(kPanel == kLanes, "an output panel's row is one vec");
 
@@ -587,15 +584,14 @@ void panel_gemm(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t 
     }
   };
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), units);
-  // One row takes microseconds; handing it out in chunks ran 0.90-0.99x.
+  // One row takes microseconds: too little to hand out in chunks.
   if (rows == 1 || threads <= 1) {
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) { run_units(begin, end, 0, rows); });
     return;
   }
   // Otherwise chunks of a few units by one block of rows, block by block, to
-  // whichever thread is free. With two equal halves, whenever the host slowed
-  // one thread the other waited at the matmul's end: 4% of a main-workload
-  // run, that this cut to about 1%.
+  // whichever thread is free: with two equal halves, whenever the host slowed
+  // one thread the other would wait at the matmul's end.
   const int64_t unit_chunk = std::max<int64_t>(1, units / (threads * kChunksPerThread));
   const int64_t unit_chunks = (units + unit_chunk - 1) / unit_chunk;
   const int64_t chunks = unit_chunks * ((rows + block_rows - 1) / block_rows);
@@ -618,7 +614,7 @@ void panel_gemm(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t 
   }
 }
 
-// Factors from their panel-ordered tensors (see formats.py's GroupFactors).
+// Factors from their panel-ordered tensors (see panels.py's GroupFactors).
 Factors factors(const std::optional<at::Tensor>& base, const std::optional<at::Tensor>& codes,
                 int64_t panels, int64_t groups, const char* name, double multiplier = 1.0) {
   Factors f;
@@ -706,8 +702,8 @@ QuantMatrix::QuantMatrix(const at::Tensor& qweight, const std::optional<at::Tens
   layout_ = std::make_shared<const Layout>(Layout{std::move(held), weight, n_out, act_group});
 }
 
-// The output is allocated here: an `out` argument made each batch-1 call
-// (about 120 a step) a microsecond slower, with the Python that makes it.
+// The output is allocated here: an `out` argument would make each batch-1 call
+// (about 120 a step) slower, with the Python that makes it.
 at::Tensor QuantMatrix::operator()(const at::Tensor& x) const { return apply(x, false); }
 
 at::Tensor QuantMatrix::silu_product(const at::Tensor& x) const { return apply(x, true); }

@@ -1,1 +1,2 @@
-"""The native CPU kernels: building and loading the library, and asking what it serves."""
+"""The native CPU kernels: choosing and loading the library variant built with the
+package for this CPU, and asking what it serves."""
