@@ -8,9 +8,10 @@ round after round; the table gives medians over the rounds of each case's
 best of 5 calls, and whether the two builds' outputs are bit for bit equal.
 
 Each build compiles the ``csrc/`` tree of its revision (includes relative to
-``csrc/``) with ``torch.utils.cpp_extension.load`` for this CPU
-(``-march=native``), independently of how the package builds its own library;
-the revision must have its sources in ``csrc/`` at the repository root.
+``csrc/``) with ``torch.utils.cpp_extension.load``, with the compiler flags of
+the native library's variant for this CPU (``ops.cpu_variants``), so both run
+as the installed library would; the revision must have its sources in
+``csrc/`` at the repository root.
 
 - ``attention`` (``csrc/attention/paged_attention.cpp``), the default model's
   heads (9 query heads, 3 KV heads of 64), blocks of 16 on huge pages, 80% of
@@ -48,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tokenloom.model import huge_pages  # noqa: E402
+from tokenloom.ops.cpu_variants import host_variant  # noqa: E402
 
 # Per kernel: the translation unit compiled (under csrc/) and the op namespace
 # its TORCH_LIBRARY blocks register.
@@ -55,8 +57,6 @@ KERNELS = {
     "attention": ("attention/paged_attention.cpp", "tokenloom_cpu"),
     "quant": ("quantization/quant_linear.cpp", "tokenloom_quant"),
 }
-# For this host, as the engine's kernels are meant to run: AVX-512 where the CPU has it.
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=fast"]
 # The default model's attention: 9 query heads, 3 KV heads of 64, blocks of 16.
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 _REGISTRATIONS = ("TORCH_LIBRARY", "TORCH_LIBRARY_IMPL", "TORCH_LIBRARY_FRAGMENT")
@@ -110,10 +110,14 @@ def build(kernel: str, rev: str | None, tag: str) -> Any:
     for path, text in files.items():
         (tree / "csrc" / path).parent.mkdir(parents=True, exist_ok=True)
         (tree / "csrc" / path).write_text(text)
+    variant = host_variant()
+    if variant is None:
+        sys.exit("this CPU has none of the native library's variants (AVX2 at least)")
     cpp_extension.load(
         name=f"{kernel}_ab_{digest}",
         sources=[str(tree / "csrc" / source)],
-        extra_cflags=CFLAGS,
+        # The flags the installed library's variant for this CPU is built with.
+        extra_cflags=variant.compiler_flags(),
         extra_include_paths=[str(tree / "csrc")],
         build_directory=str(tree),
         is_python_module=False,
