@@ -12,7 +12,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
-from tokenloom.config import LoRAConfig
+from tokenloom.config import FrontendConfig, LoRAConfig
 from tokenloom.engine.chat_template import is_utf8, render_chat
 from tokenloom.engine.messages import EngineCoreRequest
 from tokenloom.engine.protocol import ChatOptions, PromptType, RenderedChat
@@ -24,8 +24,6 @@ from tokenloom.structured_output.validator import ConstraintValidator
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
-
-DEFAULT_MAX_LOGPROBS = 20
 
 
 class InputProcessor:
@@ -43,7 +41,7 @@ class InputProcessor:
         vocab_size: int,
         eos_token_ids: list[int],
         *,
-        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        max_logprobs: int = FrontendConfig.max_logprobs,
         chat_template: str | None = None,
         lora_config: LoRAConfig | None = None,
         arch: ModelArchConfig | None = None,
