@@ -73,8 +73,8 @@ class InputProcessor:
                 )
             # The Rust tokenizer's batch call works without the GIL (its single-text
             # encode holds it throughout), and only a prompt that can fit becomes a
-            # Python list: a 10 MB prompt's millions of ids would hold the GIL, and
-            # so the event loop, for a second or more.
+            # Python list: a huge prompt's millions of ids would hold the GIL, and
+            # so the event loop, for long.
             (encoding,) = self.tokenizer.backend_tokenizer.encode_batch_fast([prompt])
             if len(encoding) >= self.max_model_len:
                 raise ValueError(self._no_room(len(encoding)))

@@ -240,6 +240,7 @@ class Scheduler(SchedulerInterface):
         max_model_len = self.max_model_len
         manager = self.kv_cache_manager
         allocate = manager.allocate_slots
+        # Every running request holds blocks, so the manager knows its bound.
         next_allocation_at = manager.next_allocation_at
         running = self.running
         preempted_ids: set[str] = self._preempted_outside
