@@ -322,8 +322,6 @@ class ModelConfig:
     # Only tensor_parallel_size concerns the engine core; it travels here to the
     # core's process with the model.
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
-    # None: a GGUF file runs on its quantized weights unless ``dtype`` names a
-    # float type (then it is dequantized).
     quantization: QuantizationMethod | None = option(
         None,
         help="run on quantized weights: gguf (a .gguf file's own, the default for GGUF "

@@ -255,17 +255,9 @@ def _spec(name: str, default: Any, declared: Option, hint: Any) -> OptionSpec:
             item = typing.get_args(hint)[0]
     else:
         base = hint
-    spec = OptionSpec(
-        name=name,
-        arg=declared.arg or name,
-        default=default,
-        option=declared,
-        base=base,
-        item=item,
-        optional=optional,
-        choices=choices,
-        requirement=_requirement(declared, base, item, choices, optional),
-    )
+    requirement = _requirement(declared, base, item, choices, optional)
+    arg = declared.arg or name
+    spec = OptionSpec(name, arg, default, declared, base, item, optional, choices, requirement)
     if not spec.accepts(default):
         raise TypeError(f"option {name}: the default {default!r} is not {spec.requirement}")
     return spec
