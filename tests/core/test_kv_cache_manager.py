@@ -429,26 +429,26 @@ def test_blocks_container() -> None:
 
 
 @pytest.mark.parametrize("enable_caching", [True, False])
-def test_noop_ends_bound_the_no_op_path_exactly(enable_caching: bool) -> None:
-    """The scheduler skips allocate_slots below ``noop_ends[request_id]``; that must be a
-    no-op, and reaching the bound must not be (a block is added or filled)."""
+def test_next_allocation_at_bounds_the_no_op_path_exactly(enable_caching: bool) -> None:
+    """The scheduler skips allocate_slots below ``next_allocation_at(request_id)``; that
+    must be a no-op, and reaching the bound must not be (a block is added or filled)."""
     manager = make_manager(num_blocks=20, enable_caching=enable_caching)
-    noop_ends = manager.noop_ends
     other = make_request("other", [9] * 6)
     schedule(manager, other)
     request = make_request("r", [1, 2, 3, 4, 5])
-    assert "r" not in noop_ends  # holds no blocks yet
+    with pytest.raises(KeyError):
+        manager.next_allocation_at("r")  # holds no blocks yet
     schedule(manager, request)
     crossings = 0
     for token in range(20):
         request.append_output_token_ids([token], manager.max_model_len)
         before = snapshot(manager, [request, other])
         end = request.num_computed_tokens + 1
-        if end < noop_ends["r"]:
+        if end < manager.next_allocation_at("r"):
             assert manager.allocate_slots(request, 1) is EMPTY_BLOCKS
             assert snapshot(manager, [request, other]) == before
         else:
-            assert end == noop_ends["r"]  # the bound is tight: one token crosses it
+            assert end == manager.next_allocation_at("r")  # tight: one token crosses it
             crossings += 1
             cached_before = manager.block_pool.cached.copy()
             new = manager.allocate_slots(request, 1)
@@ -456,10 +456,11 @@ def test_noop_ends_bound_the_no_op_path_exactly(enable_caching: bool) -> None:
             changed = new.blocks or manager.block_pool.cached != cached_before
             assert changed
         request.num_computed_tokens = end
-        manager.check_integrity()  # noop_ends stays in step with the blocks
+        manager.check_integrity()  # the bound stays in step with the blocks
     # Computed ends 6..25 with blocks of 4: a new block at 9, 13, .., 25; with caching
     # also a block filled (and cached) at 8, 12, .., 24.
     assert crossings == (10 if enable_caching else 5)
     manager.free(request)
-    assert "r" not in noop_ends
+    with pytest.raises(KeyError):
+        manager.next_allocation_at("r")
     assert_no_leaks(manager, [other])

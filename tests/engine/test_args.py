@@ -7,16 +7,46 @@ from pathlib import Path
 
 import pytest
 
+from tokenloom.config import DTYPES, CacheConfig, LoRAConfig, SchedulerConfig
 from tokenloom.default_model import DEFAULT_MODEL_NAME
-from tokenloom.engine.args import EngineArgs
+from tokenloom.engine.args import ENGINE_OPTIONS, EngineArgs
 
 
 def test_defaults_build_configs() -> None:
-    model_config, cache_config, scheduler_config = EngineArgs().create_configs()
-    assert model_config.model is None and model_config.device == "cpu"
-    assert cache_config.block_size == 16 and cache_config.num_blocks is None
-    assert cache_config.memory_fraction == 0.1
-    assert scheduler_config.max_num_seqs == 256 and scheduler_config.policy == "fcfs"
+    config = EngineArgs().config
+    assert config.model_config.model is None and config.model_config.device == "cpu"
+    assert config.cache_config.block_size == 16 and config.cache_config.num_blocks is None
+    assert config.cache_config.memory_fraction == 0.1
+    assert config.scheduler_config == SchedulerConfig()  # the contract's defaults
+    assert config.cache_config == CacheConfig()
+    assert config.lora_config is None and config.chat_template is None
+
+
+def test_arguments_reach_their_configs() -> None:
+    args = EngineArgs(
+        "/m.gguf",
+        max_num_seqs=8,
+        kv_cache_dtype="bfloat16",
+        kv_cache_memory_bytes=1 << 20,
+        tensor_parallel_size=2,
+        enable_lora=True,
+        max_lora_rank=8,
+        dp_load_balance="least_load",
+    )
+    config = args.config
+    assert config.model_config.model == "/m.gguf" and args.model == "/m.gguf"
+    assert config.scheduler_config.max_num_seqs == 8 == args.max_num_seqs
+    assert config.cache_config.cache_dtype == "bfloat16"
+    assert config.cache_config.memory_bytes == 1 << 20
+    assert config.parallel_config.tensor_parallel_size == 2
+    assert config.lora_config == LoRAConfig(max_lora_rank=8)
+    assert config.load_balance_config.policy == "least_load"
+    assert EngineArgs(**args.as_kwargs()) == args
+
+
+def test_unknown_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown engine argument.*max_num_seq"):
+        EngineArgs(max_num_seq=8)
 
 
 @pytest.mark.parametrize(
@@ -44,11 +74,29 @@ def test_defaults_build_configs() -> None:
         ({"chat_template": "/no/such/template.jinja"}, "chat_template"),
         ({"chat_template": "{% for m in messages %}"}, "chat_template"),
         ({"chat_template": ""}, "chat_template"),
+        ({"model": 3}, "model"),
+        ({"max_lora_rank": 600}, "max_lora_rank"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"speculative_config": "{not json"}, "speculative_config"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=rf"^{field} "):
         EngineArgs(**kwargs)
+
+
+def test_messages_say_what_is_allowed() -> None:
+    with pytest.raises(ValueError, match=r"^max_num_seqs must be an integer >= 1, got 0$"):
+        EngineArgs(max_num_seqs=0)
+    with pytest.raises(ValueError, match=r"^kv_cache_memory_fraction must be a number in \(0, 1\]"):
+        EngineArgs(kv_cache_memory_fraction=2)
+    with pytest.raises(ValueError, match=r"^num_blocks must be an integer >= 1 or None, got 0$"):
+        EngineArgs(num_blocks=0)
+    with pytest.raises(ValueError, match=r"^policy must be one of \{fcfs, priority\}, got 'lifo'"):
+        EngineArgs(policy="lifo")
+    # Built directly, a config names its own field.
+    with pytest.raises(ValueError, match=r"^memory_fraction must be a number in \(0, 1\]"):
+        CacheConfig(memory_fraction=2)
 
 
 def test_cli_round_trip() -> None:
@@ -93,16 +141,34 @@ def test_cli_round_trip() -> None:
     )
     assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs()
     sized = EngineArgs.from_cli_args(parser.parse_args(["--kv-cache-memory-bytes", "1048576"]))
-    assert sized.create_configs()[1].memory_bytes == 1 << 20
+    assert sized.config.cache_config.memory_bytes == 1 << 20
+    aliased = parser.parse_args(["-tp", "2", "-dp", "3", "--no-enable-chunked-prefill"])
+    assert (aliased.tensor_parallel_size, aliased.data_parallel_size) == (2, 3)
+    assert aliased.enable_chunked_prefill is False
+
+
+def test_every_engine_argument_is_a_flag_with_help() -> None:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    flags = {a.dest: a for a in parser._actions if a.dest != "help"}
+    assert flags.keys() == ENGINE_OPTIONS.keys()
+    for dest, action in flags.items():
+        assert action.help, dest
+        assert action.default == ENGINE_OPTIONS[dest].default
+    assert flags["dtype"].choices == list(DTYPES) == flags["kv_cache_dtype"].choices
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dtype", "int3"])
 
 
 def test_chat_template_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
     inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
-    assert EngineArgs().load_chat_template() is None
-    assert EngineArgs(chat_template=inline).load_chat_template() == inline
+    assert EngineArgs().config.chat_template is None
+    assert EngineArgs(chat_template=inline).config.chat_template == inline
     path = tmp_path / "chat.jinja"
     path.write_text(inline, encoding="utf-8")
-    assert EngineArgs(chat_template=str(path)).load_chat_template() == inline
+    from_file = EngineArgs(chat_template=str(path))
+    path.unlink()  # read once, at construction
+    assert from_file.config.chat_template == inline
+    assert from_file.chat_template == str(path)
     assert EngineArgs().max_logprobs == 20
 
 

@@ -19,6 +19,7 @@ from tokenloom.engine.core import EngineCore
 from tokenloom.engine.core_client import AsyncInprocClient, InprocClient
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.protocol import ChatOptions, EngineClient
+from tokenloom.engine.setup import EngineSetup
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
@@ -39,7 +40,8 @@ def core(tokenizer: Any) -> EngineCore:
 @pytest.fixture()
 def engine(tokenizer: Any, core: EngineCore) -> Iterator[AsyncLLM]:
     args = EngineArgs(max_model_len=128, log_stats=False, max_logprobs=3, chat_template=ROLES)
-    engine = AsyncLLM(args, AsyncInprocClient(InprocClient(core)), tokenizer, 49152, [2])
+    setup = EngineSetup.from_engine_args(args)
+    engine = AsyncLLM(setup, AsyncInprocClient(InprocClient(core)), tokenizer)
     yield engine
     engine.shutdown()
 

@@ -19,6 +19,7 @@ from tokenloom.engine.core_client import AsyncInprocClient
 from tokenloom.engine.data_parallel.client import CoreClient, DPClient
 from tokenloom.engine.data_parallel.router import Router
 from tokenloom.engine.exceptions import EngineDeadError
+from tokenloom.engine.setup import EngineSetup
 from tokenloom.engine.supervisor import CoreSupervisor
 from tokenloom.metrics.stats import IterationStats, engine_state
 from tokenloom.outputs import RequestOutput, SchedulerStats
@@ -54,8 +55,8 @@ class DPCluster:
         self.dp = DPClient(clients, router, supervisors=supervisors)
         self.dp.max_model_len, self.dp.num_blocks = 128, 64
         self.counter = RestartCounter()
-        args = EngineArgs(max_model_len=128, log_stats=False)
-        self.engine = AsyncLLM(args, self.dp, tokenizer, 49152, [2], stat_loggers=[self.counter])
+        setup = EngineSetup.from_engine_args(EngineArgs(max_model_len=128, log_stats=False))
+        self.engine = AsyncLLM(setup, self.dp, tokenizer, stat_loggers=[self.counter])
 
     def starter(self, index: int, plans: Any) -> Any:
         async def start() -> AsyncInprocClient:

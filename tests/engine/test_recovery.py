@@ -22,6 +22,7 @@ from tokenloom.engine.input_processor import InputProcessor
 from tokenloom.engine.messages import EngineCoreRequest, encode, input_decoder
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.recovery import InFlight, resumed_request
+from tokenloom.engine.setup import EngineSetup
 from tokenloom.engine.supervisor import CoreSupervisor
 from tokenloom.outputs import EngineCoreOutput, RequestOutput
 from tokenloom.request import FinishReason
@@ -154,7 +155,7 @@ def test_recovery_settings_are_checked_naming_the_field() -> None:
         EngineArgs(max_engine_restarts=-1)
     with pytest.raises(ValueError, match="^engine_restart_backoff_s must be a number >= 0"):
         EngineArgs(engine_restart_backoff_s=-0.5)
-    config = EngineArgs(max_engine_restarts=0).create_recovery_config()
+    config = EngineArgs(max_engine_restarts=0).config.recovery_config
     assert config.max_engine_restarts == 0
 
 
@@ -190,13 +191,11 @@ class Cluster:
 
         config = RecoveryConfig(max_engine_restarts=budget, engine_restart_backoff_s=0.0)
         self.counter = RestartCounter()
-        args = EngineArgs(max_model_len=128, log_stats=False)
+        setup = EngineSetup.from_engine_args(EngineArgs(max_model_len=128, log_stats=False))
         self.engine = AsyncLLM(
-            args,
+            setup,
             self.client(plans[0]),
             tokenizer,
-            49152,
-            [2],
             stat_loggers=[self.counter],
             supervisor=CoreSupervisor(config, start),
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -24,6 +25,8 @@ from tokenloom.entrypoints.cli import (
     read_requests,
     sampling_params_from_args,
 )
+from tokenloom.entrypoints.openai.cli_args import ServerArgs
+from tokenloom.entrypoints.openai.server import run_server
 from tokenloom.model.tokenizer import load_tokenizer
 from tokenloom.outputs import CompletionOutput, RequestOutput
 from tokenloom.sampling_params import SamplingParams
@@ -59,6 +62,33 @@ def test_generate_flags_become_sampling_params() -> None:
     assert (params.max_tokens, params.temperature, params.stop, params.seed) == (5, 0.0, ["x"], 3)
     unseeded = sampling_params_from_args(build_parser().parse_args(["generate", "hi"]))
     assert unseeded.seed is None
+
+
+def test_serve_flags_reach_the_server_and_engine_args() -> None:
+    args = build_parser().parse_args(
+        ["serve", "/m", "--port", "9000", "--max-waiting-requests", "3", "-tp", "2"]
+        + ["--uvicorn-log-level", "info", "--no-enable-prefix-caching"]
+    )
+    server = ServerArgs.from_cli_args(args)
+    assert (server.host, server.port, server.max_waiting_requests) == ("127.0.0.1", 9000, 3)
+    assert server.uvicorn_log_level == "info" and server.trust_request_chat_template is False
+    assert args.model_tag == "/m" and args.tensor_parallel_size == 2
+    assert args.enable_prefix_caching is False
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-request-bytes", "0"], "max_request_bytes must be an integer >= 1, got 0"),
+        (["--max-waiting-requests", "-1"], "max_waiting_requests must be an integer >= 0"),
+        (["--port", "70000"], "port must be an integer in [0, 65535], got 70000"),
+        (["--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1, got 0"),
+    ],
+)
+def test_bad_serve_flags_stop_before_the_engine_starts(flags: list[str], message: str) -> None:
+    args = build_parser().parse_args(["serve", *flags])
+    with pytest.raises(SystemExit, match="^tokenloom serve: " + re.escape(message)):
+        run_server(args)
 
 
 def test_read_requests_names_the_bad_line(tmp_path: Path) -> None:

@@ -16,46 +16,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from tokenloom.bench import datasets as ds
+from tokenloom.bench.config import DatasetArgs, ServeConfig
+from tokenloom.options import add_cli_args, build
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-def _add_dataset_args(p: argparse.ArgumentParser, with_seed: bool) -> None:
-    g = p.add_argument_group("dataset")
-    g.add_argument("--dataset-name", choices=["random", "shared-prefix", "jsonl"], default="random")
-    g.add_argument(
-        "--dataset-path", type=str, default=None, help="JSONL file for --dataset-name jsonl"
-    )
-    g.add_argument("--num-prompts", type=int, default=100)
-    g.add_argument("--random-input-len", type=int, default=256)
-    g.add_argument("--random-output-len", type=int, default=128)
-    g.add_argument(
-        "--random-range-ratio",
-        type=float,
-        default=0.0,
-        help="lengths drawn from [len*(1-r), len*(1+r)]; 0 means fixed",
-    )
-    g.add_argument("--input-len-dist", choices=ds.LENGTH_DISTRIBUTIONS, default="uniform")
-    g.add_argument("--output-len-dist", choices=ds.LENGTH_DISTRIBUTIONS, default="uniform")
-    for which in ("input", "output"):
-        g.add_argument(f"--min-{which}-len", type=int, default=None, help="explicit lower bound")
-        g.add_argument(f"--max-{which}-len", type=int, default=None, help="explicit upper bound")
-    g.add_argument(
-        "--prefix-len", type=int, default=400, help="shared-prefix: system prompt tokens"
-    )
-    g.add_argument("--suffix-len", type=int, default=16, help="shared-prefix: unique tokens")
-    g.add_argument("--output-len", type=int, default=64, help="shared-prefix / jsonl default")
-    if with_seed:
-        g.add_argument("--seed", type=int, default=0)
-
-
-def _length_spec(args: argparse.Namespace, which: str) -> ds.LengthSpec:
-    mean = getattr(args, f"random_{which}_len")
-    dist = getattr(args, f"{which}_len_dist")
-    lo, hi = getattr(args, f"min_{which}_len"), getattr(args, f"max_{which}_len")
+def _length_spec(d: DatasetArgs, which: str) -> ds.LengthSpec:
+    mean = getattr(d, f"random_{which}_len")
+    dist = getattr(d, f"{which}_len_dist")
+    lo, hi = getattr(d, f"min_{which}_len"), getattr(d, f"max_{which}_len")
     if lo is None and hi is None:
-        return ds.LengthSpec.from_ratio(mean, args.random_range_ratio, dist)
+        return ds.LengthSpec.from_ratio(mean, d.random_range_ratio, dist)
     lo = lo if lo is not None else mean
     hi = hi if hi is not None else mean
     return ds.LengthSpec(dist if lo != hi else "fixed", lo, hi)
@@ -64,29 +37,24 @@ def _length_spec(args: argparse.Namespace, which: str) -> ds.LengthSpec:
 def build_requests(
     args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase
 ) -> list[ds.BenchRequest]:
-    """The workload the dataset flags describe."""
-    if args.num_prompts < 1:
-        raise ValueError(f"num_prompts must be >= 1, got {args.num_prompts}")
-    if args.dataset_name == "jsonl":
-        if not args.dataset_path:
+    """The workload the dataset flags (``DatasetArgs``) describe."""
+    d = build(DatasetArgs, vars(args))
+    if d.dataset_name == "jsonl":
+        if not d.dataset_path:
             raise ValueError("dataset_path is required for --dataset-name jsonl")
         return ds.jsonl_requests(
-            args.dataset_path,
+            d.dataset_path,
             lambda s: tokenizer.encode(s, add_special_tokens=False),
-            args.output_len,
-            args.num_prompts,
+            d.output_len,
+            d.num_prompts,
         )
     vocab = ds.tokenizer_vocab(tokenizer)
-    if args.dataset_name == "shared-prefix":
+    if d.dataset_name == "shared-prefix":
         return ds.shared_prefix_requests(
-            args.num_prompts, args.prefix_len, args.suffix_len, args.output_len, vocab, args.seed
+            d.num_prompts, d.prefix_len, d.suffix_len, d.output_len, vocab, d.seed
         )
     return ds.random_requests(
-        args.num_prompts,
-        _length_spec(args, "input"),
-        _length_spec(args, "output"),
-        vocab,
-        args.seed,
+        d.num_prompts, _length_spec(d, "input"), _length_spec(d, "output"), vocab, d.seed
     )
 
 
@@ -102,7 +70,6 @@ def _write_json(result_dir: str | None, name: str, payload: dict) -> Path | None
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from tokenloom.bench.serve import (
-        ServeConfig,
         format_spec_decoding,
         run_serve_benchmark,
         scrape_spec_counters,
@@ -112,17 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     tokenizer = ds.load_tokenizer(args.tokenizer)
     requests = build_requests(args, tokenizer)
-    cfg = ServeConfig(
-        base_url=base_url,
-        model=args.served_model,
-        endpoint=args.endpoint,
-        request_rate=args.request_rate,
-        max_concurrency=args.max_concurrency,
-        ignore_eos=args.ignore_eos,
-        prompt_as_text=args.prompt_as_text,
-        seed=args.seed,
-        disable_tqdm=args.disable_tqdm,
-    )
+    cfg = build(ServeConfig, vars(args), base_url=base_url, seed=args.seed)
     spec_before = scrape_spec_counters(base_url)
     metrics, results, model = run_serve_benchmark(
         requests, cfg, decode=lambda ids: cast(str, tokenizer.decode(ids))
@@ -164,15 +121,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
-    import tokenloom
     from tokenloom.bench.offline import format_offline, run_offline, warmup
     from tokenloom.engine.args import EngineArgs
+    from tokenloom.engine.llm import LLM
 
     engine_args = EngineArgs.from_cli_args(args)
     tokenizer = ds.load_tokenizer(args.tokenizer or engine_args.model)
     requests = build_requests(args, tokenizer)
     t0 = time.perf_counter()
-    llm = tokenloom.LLM(**{k: v for k, v in asdict(engine_args).items()})
+    llm = LLM.from_engine_args(engine_args)
     load_s = time.perf_counter() - t0
     warmup(llm, args.num_warmup)
     result = run_offline(llm, requests)
@@ -181,7 +138,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
     path = _write_json(
         args.result_dir,
         f"offline-{args.dataset_name}-{time.strftime('%Y%m%d-%H%M%S')}",
-        {"engine_args": asdict(engine_args), "load_s": load_s, "result": result.to_dict()},
+        {"engine_args": engine_args.as_kwargs(), "load_s": load_s, "result": result.to_dict()},
     )
     if path is not None:
         print(f"results: {path}")
@@ -201,24 +158,11 @@ def register_bench_commands(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--base-url", type=str, default=None, help="overrides --host/--port")
     g.add_argument("--host", type=str, default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--endpoint", type=str, default="/v1/completions")
-    g.add_argument("--served-model", type=str, default=None, help="default: first of /v1/models")
     g.add_argument("--tokenizer", type=str, default=None, help="HF dir or .gguf (default model)")
-    g.add_argument(
-        "--request-rate", type=float, default=math.inf, help="req/s, Poisson; inf = all at once"
-    )
-    g.add_argument("--max-concurrency", type=int, default=None)
-    g.add_argument(
-        "--ignore-eos",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="send ignore_eos (vLLM/tokenloom extension) so output lengths are fixed",
-    )
-    g.add_argument("--prompt-as-text", action="store_true", help="send decoded text, not token ids")
     g.add_argument("--result-dir", type=str, default=None, help="write JSON results and PNG plots")
     g.add_argument("--no-plots", action="store_true")
-    g.add_argument("--disable-tqdm", action="store_true")
-    _add_dataset_args(serve, with_seed=True)
+    add_cli_args(serve, ServeConfig, title="load")
+    add_cli_args(serve, DatasetArgs, title="dataset")
     serve.set_defaults(func=cmd_serve)
 
     offline = sub.add_parser("offline", help="throughput of tokenloom.LLM.generate on a workload")
@@ -228,7 +172,8 @@ def register_bench_commands(subparsers: Any) -> argparse.ArgumentParser:
     offline.add_argument("--tokenizer", type=str, default=None, help="default: --model")
     offline.add_argument("--num-warmup", type=int, default=4, help="untimed warm-up requests")
     offline.add_argument("--result-dir", type=str, default=None)
-    _add_dataset_args(offline, with_seed=False)
+    # The engine's --seed seeds the workload too.
+    add_cli_args(offline, DatasetArgs, title="dataset", skip=("seed",))
     offline.set_defaults(func=cmd_offline)
     return bench
 

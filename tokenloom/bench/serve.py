@@ -16,32 +16,12 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import aiohttp
 
+from tokenloom.bench.config import ServeConfig
 from tokenloom.bench.datasets import BenchRequest
 from tokenloom.bench.stats import BenchMetrics, RequestResult, compute_metrics
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    base_url: str = "http://127.0.0.1:8000"
-    model: str | None = None  # None: the first id listed by /v1/models
-    endpoint: str = "/v1/completions"
-    request_rate: float = math.inf
-    max_concurrency: int | None = None
-    ignore_eos: bool = True  # send the non-standard ignore_eos field (vLLM, tokenloom)
-    prompt_as_text: bool = False  # send text instead of token ids
-    seed: int = 0
-    timeout_s: float = 6 * 3600
-    disable_tqdm: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.request_rate > 0:
-            raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
 
 
 def _payload(

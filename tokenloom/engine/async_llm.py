@@ -18,7 +18,6 @@ while it restarts in the background (failover, ``tokenloom.engine.data_parallel`
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import os
@@ -31,15 +30,14 @@ from tokenloom.engine.args import EngineArgs
 from tokenloom.engine.core_client import AsyncInprocClient, InprocClient, MPClient
 from tokenloom.engine.data_parallel.client import DPClient
 from tokenloom.engine.exceptions import CoreDeadError, EngineDeadError
-from tokenloom.engine.input_processor import InputProcessor, eos_token_ids
 from tokenloom.engine.messages import CoreOutputs, EngineCoreRequest
-from tokenloom.engine.output_processor import OutputProcessor, RequestOutputCollector
+from tokenloom.engine.output_processor import RequestOutputCollector
 from tokenloom.engine.protocol import ChatOptions, EngineClient, PromptType, RenderedChat
 from tokenloom.engine.recovery import resumed_request
+from tokenloom.engine.setup import EngineSetup
 from tokenloom.engine.supervisor import CoreSupervisor, mp_client_starter
 from tokenloom.lora_request import LoRARequest
-from tokenloom.metrics.stats import IterationStats, LoggingStatLogger, StatLogger, engine_state
-from tokenloom.model.arch_config import ModelArchConfig
+from tokenloom.metrics.stats import IterationStats, StatLogger, engine_state
 from tokenloom.outputs import RequestOutput, SchedulerStats
 from tokenloom.sampling_params import SamplingParams
 
@@ -63,40 +61,29 @@ class AsyncLLM(EngineClient):
 
     def __init__(
         self,
-        engine_args: EngineArgs,
+        setup: EngineSetup,
         client: AsyncClient,
         tokenizer: PreTrainedTokenizerFast,
-        vocab_size: int,
-        eos_ids: list[int],
         stat_loggers: list[StatLogger] | None = None,
-        arch: ModelArchConfig | None = None,
         supervisor: CoreSupervisor[AsyncClient] | None = None,
     ) -> None:
-        """``arch``: the base model's shapes, which LoRA adapters are checked against.
-        ``supervisor``: restarts a dead core (None: a dead core is final)."""
-        self.engine_args = engine_args
+        """``client`` reaches the core(s) built from ``setup``. ``supervisor``:
+        restarts a dead core (None: a dead core is final)."""
+        self.engine_args = setup.engine_args
         self.client = client
         self.tokenizer = tokenizer
-        self.model_name = engine_args.get_served_model_name()
-        self.data_parallel_size = engine_args.data_parallel_size
+        self.model_name = setup.engine_args.get_served_model_name()
+        self.data_parallel_size = setup.config.parallel_config.data_parallel_size
         self.max_model_len = client.max_model_len
-        self.input_processor = InputProcessor(
-            tokenizer,
-            self.max_model_len,
-            vocab_size,
-            eos_ids,
-            max_logprobs=engine_args.max_logprobs,
-            chat_template=engine_args.load_chat_template(),
-            lora_config=engine_args.create_lora_config(),
-            arch=arch,
-            validate_constraints_in_subprocess=True,
+        front_end = setup.front_end(
+            tokenizer, self.max_model_len, validate_constraints_in_subprocess=True
         )
+        self.input_processor = front_end.input_processor
         self._input_executor = ThreadPoolExecutor(
             max_workers=_INPUT_THREADS, thread_name_prefix="tokenloom-input"
         )
-        self.output_processor = OutputProcessor(tokenizer)
-        self.stat_loggers: list[StatLogger] = [LoggingStatLogger()] if engine_args.log_stats else []
-        self.stat_loggers += stat_loggers or []
+        self.output_processor = front_end.output_processor
+        self.stat_loggers: list[StatLogger] = front_end.stat_loggers + (stat_loggers or [])
         # Each core's latest scheduler snapshot, by engine index (data parallel: several).
         self._core_stats: dict[int, SchedulerStats] = {}
         self._dead: EngineDeadError | None = None
@@ -114,54 +101,40 @@ class AsyncLLM(EngineClient):
     ) -> AsyncLLM:
         """Build the engine: the core (own process unless ``multiprocess=False``) and tokenizer."""
         from tokenloom.engine.core import EngineCore
-        from tokenloom.model.arch_reader import load_arch_config
-        from tokenloom.model.paths import resolve_model_path
-        from tokenloom.model.tokenizer import load_tokenizer
 
-        model_config, cache_config, scheduler_config = engine_args.create_configs()
-        lora_config = engine_args.create_lora_config()
-        path = resolve_model_path(engine_args.model, engine_args.revision)
-        arch = load_arch_config(path)
-        model_config = dataclasses.replace(model_config, model=str(path))
-        parallel_config = engine_args.create_parallel_config()
-        data_parallel = parallel_config.data_parallel_size > 1
+        config = engine_args.config
+        data_parallel = config.parallel_config.data_parallel_size > 1
         if data_parallel and not multiprocess:
             raise ValueError("data_parallel_size > 1 runs each engine core in its own process")
+        setup = EngineSetup.from_engine_args(engine_args)
+        core_configs = setup.core_configs
         client: AsyncClient
         supervisor: CoreSupervisor[AsyncClient] | None = None
         if multiprocess:
             mp_client: MPClient | DPClient
             if data_parallel:
                 mp_client = DPClient.launch(
-                    model_config,
-                    cache_config,
-                    scheduler_config,
-                    lora_config,
-                    parallel_config,
-                    engine_args.create_dp_load_balance_config(),
-                    engine_args.create_recovery_config(),
+                    *core_configs,
+                    config.parallel_config,
+                    config.load_balance_config,
+                    config.recovery_config,
                 )
             else:
-                mp_client = MPClient(model_config, cache_config, scheduler_config, lora_config)
+                mp_client = MPClient(*core_configs)
             try:
-                tokenizer = load_tokenizer(path)  # while the core loads the weights
+                tokenizer = setup.load_tokenizer()  # while the core loads the weights
                 mp_client.wait_until_ready()
             except BaseException:
                 mp_client.shutdown()
                 raise
             client = mp_client
-            recovery = engine_args.create_recovery_config()
+            recovery = config.recovery_config
             if recovery.max_engine_restarts and not data_parallel:  # DP: a supervisor per core
-                start = mp_client_starter(model_config, cache_config, scheduler_config, lora_config)
-                supervisor = CoreSupervisor(recovery, start)
+                supervisor = CoreSupervisor(recovery, mp_client_starter(*core_configs))
         else:
-            tokenizer = load_tokenizer(path)
-            core = EngineCore.from_config(model_config, cache_config, scheduler_config, lora_config)
-            client = AsyncInprocClient(InprocClient(core))
-        eos_ids = eos_token_ids(arch.eos_token_ids, tokenizer)
-        return cls(
-            engine_args, client, tokenizer, arch.vocab_size, eos_ids, stat_loggers, arch, supervisor
-        )
+            tokenizer = setup.load_tokenizer()
+            client = AsyncInprocClient(InprocClient(EngineCore.from_config(*core_configs)))
+        return cls(setup, client, tokenizer, stat_loggers, supervisor)
 
     # ------------------------------------------------------------------ state
 

@@ -135,7 +135,7 @@ class EngineCore:
 
         def load_tokenizer() -> PreTrainedTokenizerFast:
             # On the first structured request, in the compile thread: transformers
-            # alone is 50 MB of resident memory a core without one never needs.
+            # takes resident memory that a core without such requests never needs.
             from tokenloom.model.tokenizer import load_tokenizer
 
             return load_tokenizer(model_path)

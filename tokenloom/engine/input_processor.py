@@ -12,7 +12,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
-from tokenloom.config import LoRAConfig
+from tokenloom.config import FrontendConfig, LoRAConfig
 from tokenloom.engine.chat_template import is_utf8, render_chat
 from tokenloom.engine.messages import EngineCoreRequest
 from tokenloom.engine.protocol import ChatOptions, PromptType, RenderedChat
@@ -24,8 +24,6 @@ from tokenloom.structured_output.validator import ConstraintValidator
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
-
-DEFAULT_MAX_LOGPROBS = 20
 
 
 class InputProcessor:
@@ -43,7 +41,7 @@ class InputProcessor:
         vocab_size: int,
         eos_token_ids: list[int],
         *,
-        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        max_logprobs: int = FrontendConfig.max_logprobs,
         chat_template: str | None = None,
         lora_config: LoRAConfig | None = None,
         arch: ModelArchConfig | None = None,
@@ -75,8 +73,8 @@ class InputProcessor:
                 )
             # The Rust tokenizer's batch call works without the GIL (its single-text
             # encode holds it throughout), and only a prompt that can fit becomes a
-            # Python list: a 10 MB prompt's millions of ids would hold the GIL, and
-            # so the event loop, for a second or more.
+            # Python list: a huge prompt's millions of ids would hold the GIL, and
+            # so the event loop, for long.
             (encoding,) = self.tokenizer.backend_tokenizer.encode_batch_fast([prompt])
             if len(encoding) >= self.max_model_len:
                 raise ValueError(self._no_room(len(encoding)))

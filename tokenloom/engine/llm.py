@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -10,12 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from tokenloom.engine.args import EngineArgs
 from tokenloom.engine.core_client import InprocClient
-from tokenloom.engine.input_processor import InputProcessor, eos_token_ids
 from tokenloom.engine.messages import EngineCoreRequest
-from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.protocol import ChatOptions, PromptType
+from tokenloom.engine.setup import EngineSetup
 from tokenloom.lora_request import LoRARequest
-from tokenloom.metrics.stats import IterationStats, LoggingStatLogger, StatLogger
+from tokenloom.metrics.stats import IterationStats, StatLogger
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
@@ -29,51 +27,39 @@ _TQDM_MIN_PROMPTS = 8
 class LLM:
     """Generate for a batch of prompts; results come back in input order.
 
-    ``engine_args`` are the fields of ``EngineArgs`` (``max_model_len``,
+    ``engine_args`` are ``EngineArgs``' arguments (``max_model_len``,
     ``num_blocks``, ``max_num_seqs``, ...). Invalid prompts or parameters raise
     ``ValueError`` before anything is queued, so the engine stays usable.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        from tokenloom.engine.core import EngineCore
-        from tokenloom.model.arch_reader import load_arch_config
-        from tokenloom.model.paths import resolve_model_path
-        from tokenloom.model.tokenizer import load_tokenizer
+        self._start(EngineArgs(model, **engine_args))
 
-        known = {f.name for f in dataclasses.fields(EngineArgs)}
-        unknown = sorted(set(engine_args) - known)
-        if unknown:
-            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
-        self.engine_args = EngineArgs(model=model, **engine_args)
-        if self.engine_args.data_parallel_size > 1:
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        """An ``LLM`` from arguments already built (say, from CLI flags)."""
+        llm = cls.__new__(cls)
+        llm._start(engine_args)
+        return llm
+
+    def _start(self, engine_args: EngineArgs) -> None:
+        from tokenloom.engine.core import EngineCore
+
+        if engine_args.config.parallel_config.data_parallel_size > 1:
             raise ValueError(
                 "data_parallel_size: LLM runs one engine core in this process; "
                 "use AsyncLLM or `tokenloom serve -dp N` for data parallel"
             )
-        model_config, cache_config, scheduler_config = self.engine_args.create_configs()
-        path = resolve_model_path(model, self.engine_args.revision)
-        arch = load_arch_config(path)
-        lora_config = self.engine_args.create_lora_config()
-        model_config = dataclasses.replace(model_config, model=str(path))
-        chat_template = self.engine_args.load_chat_template()
-        self.tokenizer: PreTrainedTokenizerFast = load_tokenizer(path)
-        core = EngineCore.from_config(model_config, cache_config, scheduler_config, lora_config)
-        self.client = InprocClient(core)
+        self.engine_args = engine_args
+        setup = EngineSetup.from_engine_args(engine_args)
+        tokenizer = setup.load_tokenizer()
+        self.client = InprocClient(EngineCore.from_config(*setup.core_configs))
         self.max_model_len = self.client.max_model_len
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            self.max_model_len,
-            arch.vocab_size,
-            eos_token_ids(arch.eos_token_ids, self.tokenizer),
-            max_logprobs=self.engine_args.max_logprobs,
-            chat_template=chat_template,
-            lora_config=lora_config,
-            arch=arch,
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.stat_loggers: list[StatLogger] = (
-            [LoggingStatLogger()] if self.engine_args.log_stats else []
-        )
+        front_end = setup.front_end(tokenizer, self.max_model_len)
+        self.tokenizer: PreTrainedTokenizerFast = tokenizer
+        self.input_processor = front_end.input_processor
+        self.output_processor = front_end.output_processor
+        self.stat_loggers: list[StatLogger] = front_end.stat_loggers
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> PreTrainedTokenizerFast:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 def build_parser() -> argparse.ArgumentParser:
     from tokenloom.engine.args import EngineArgs
-    from tokenloom.entrypoints.openai.server import add_serve_args
+    from tokenloom.entrypoints.openai.cli_args import add_serve_args
 
     parser = argparse.ArgumentParser(
         prog="tokenloom", description="A small LLM inference and serving engine."
@@ -174,7 +174,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             records = [{"messages": [{"role": "user", "content": args.prompt}]}]
         else:
             records = [{"prompt": args.prompt}]
-        llm = LLM(**vars(_engine_args(args)))
+        llm = LLM.from_engine_args(_engine_args(args))
         prompts = build_prompts(llm.input_processor, records)
         results = llm.generate(prompts, params, use_tqdm=args.input is not None)
     except (ValueError, OSError) as exc:

@@ -19,14 +19,14 @@ def test_cli_flags_reach_the_configs() -> None:
         ["-dp", "2", "--data-parallel-backend", "ray", "--dp-load-balance", "round_robin"]
         + ["--dp-load-margin", "3"]
     )
-    engine_args = EngineArgs.from_cli_args(args)
-    parallel = engine_args.create_parallel_config()
+    config = EngineArgs.from_cli_args(args).config
+    parallel = config.parallel_config
     assert (parallel.data_parallel_size, parallel.data_parallel_backend) == (2, "ray")
-    balance = engine_args.create_dp_load_balance_config()
+    balance = config.load_balance_config
     assert (balance.policy, balance.load_margin) == ("round_robin", 3)
-    defaults = EngineArgs()
-    assert defaults.create_parallel_config().data_parallel_size == 1
-    assert defaults.create_dp_load_balance_config().policy == "prefix"
+    defaults = EngineArgs().config
+    assert defaults.parallel_config.data_parallel_size == 1
+    assert defaults.load_balance_config.policy == "prefix"
 
 
 @pytest.mark.parametrize(

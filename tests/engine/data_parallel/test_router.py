@@ -159,7 +159,7 @@ def test_no_core_left_is_an_error_and_owner_is_tracked() -> None:
 
 
 def test_config_names_the_bad_field() -> None:
-    with pytest.raises(ValueError, match="dp_load_balance"):
+    with pytest.raises(ValueError, match="^policy must be one of"):
         DPLoadBalanceConfig(policy="random")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="dp_load_margin"):
+    with pytest.raises(ValueError, match="^load_margin must be an integer >= 0"):
         DPLoadBalanceConfig(load_margin=-1)

@@ -88,12 +88,12 @@ def test_engine_args_and_cli_flag_reach_the_scheduler_config() -> None:
     config = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = EngineArgs.from_cli_args(parser.parse_args(["--speculative-config", json.dumps(config)]))
-    spec = args.create_configs()[2].speculative_config
+    spec = args.config.scheduler_config.speculative_config
     assert spec == SpeculativeConfig(
         method="ngram", num_speculative_tokens=3, disable_by_batch_size=8
     )
-    assert EngineArgs(speculative_config=config).create_configs()[2].speculative_config == spec
-    assert EngineArgs().create_configs()[2].speculative_config is None
+    assert EngineArgs(speculative_config=config).config.scheduler_config.speculative_config == spec
+    assert EngineArgs().config.scheduler_config.speculative_config is None
 
 
 def test_engine_args_refuse_bad_configs_at_start_up(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -99,10 +99,9 @@ class BlockPool:
 
         The free queue starts over in block order, as in a new pool. Left in LRU
         order, it would hand out next the blocks no request has used yet, whose
-        pages the OS then zeroes on first write (on a 2-core Zen 4, 6% of a
-        benchmark run's prompt steps after a reset), while the pages of the
-        blocks used before lie idle; and blocks in order lie side by side, which
-        decode attention reads faster."""
+        pages the OS then zeroes on first write, while the pages of the blocks
+        used before lie idle; and blocks in order lie side by side, which decode
+        attention reads faster."""
         if len(self.free_queue) != self.num_blocks - 1:
             return False
         for block in self.blocks:

@@ -5,21 +5,21 @@ The scheduler asks ``get_computed_blocks`` for a prefix hit, then
 free blocks, nothing changed" and the scheduler preempts. Only full blocks are
 cached, keyed by exact chained hashes (:mod:`tokenloom.core.kv_cache.hashing`).
 
-Beyond the contract: ``num_usable_blocks``, ``noop_ends``,
+Beyond the contract: ``num_usable_blocks``, ``next_allocation_at()``,
 ``create_empty_block_list()``, ``check_integrity()`` (for tests and idle checks)
 and ``block_pool`` (read-only inspection).
 
-The scheduler calls ``allocate_slots`` for every running request every step, so
-a call that needs no new block and fills no block does one dict lookup and a
-few comparisons and returns the shared :data:`EMPTY_BLOCKS`. The manager also
-publishes that bound per request in ``noop_ends`` so the scheduler can skip
-such calls altogether.
+A decoding request gives ``allocate_slots`` work (a new block, or a block
+filled and cached) only once a block, so a call with nothing to do is one dict
+lookup and a few comparisons returning the shared :data:`EMPTY_BLOCKS`, and
+``next_allocation_at(request_id)`` says where the work starts again so that
+the scheduler can skip such calls altogether.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable
 
 from tokenloom.core.kv_cache.block import EMPTY_BLOCKS, KVCacheBlock, KVCacheBlocks
 from tokenloom.core.kv_cache.block_pool import BlockPool
@@ -63,21 +63,19 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks)
         self.num_blocks = num_blocks
         self._requests: dict[str, _RequestBlocks] = {}
-        self._noop_ends: dict[str, int] = {}
+        self._next_allocation_at: dict[str, int] = {}
+        # next_allocation_at(request_id) -> int, for a request holding blocks
+        # (KeyError for one holding none): the token count from which
+        # allocate_slots has work to do for it. While num_computed_tokens +
+        # num_new_tokens stays below it, a call without lookahead tokens or
+        # prefix-hit blocks adds no block, caches none and returns EMPTY_BLOCKS,
+        # so a scheduler may skip the call; at the bound the call adds or fills a
+        # block. It is the dict's own lookup rather than a def because the
+        # scheduler asks it for every running request every step, where a
+        # Python-level call shows in schedule()'s time.
+        self.next_allocation_at: Callable[[str], int] = self._next_allocation_at.__getitem__
 
     # ------------------------------------------------------------------ queries
-
-    @property
-    def noop_ends(self) -> Mapping[str, int]:
-        """Per request holding blocks: the token count below which allocating is a no-op.
-
-        ``allocate_slots(request, n)`` without lookahead or prefix hit adds no
-        block and fills none while ``num_computed_tokens + n < noop_ends[id]``,
-        so a scheduler may skip the call (it binds ``noop_ends.get`` once per
-        step; a request holding no blocks is absent). Read-only: the manager
-        updates it whenever a request's blocks or cached count change.
-        """
-        return self._noop_ends
 
     @property
     def usage(self) -> float:
@@ -233,10 +231,10 @@ class KVCacheManager:
         if end >= state.next_cache_end:
             num_tokens = len(request.all_token_ids)
             self._cache_full_blocks(request, state, end if end < num_tokens else num_tokens)
-        # _publish_noop_end, inlined: this runs for each decoding request once a block.
+        # _publish_next_allocation, inlined: this runs for each decoding request once a block.
         capacity_end = state.capacity + 1
         next_cache_end = state.next_cache_end
-        self._noop_ends[request.request_id] = (
+        self._next_allocation_at[request.request_id] = (
             next_cache_end if next_cache_end < capacity_end else capacity_end
         )
         return new
@@ -301,14 +299,14 @@ class KVCacheManager:
             self._cache_full_blocks(
                 request, state, min(num_computed + num_new_tokens, request.num_tokens)
             )
-        self._publish_noop_end(request.request_id, state)
+        self._publish_next_allocation(request.request_id, state)
         return KVCacheBlocks(new_blocks) if new_blocks else EMPTY_BLOCKS
 
-    def _publish_noop_end(self, request_id: str, state: _RequestBlocks) -> None:
-        """Refresh ``noop_ends[request_id]`` after the request's blocks or cached count changed."""
+    def _publish_next_allocation(self, request_id: str, state: _RequestBlocks) -> None:
+        """Refresh ``next_allocation_at(request_id)`` after its blocks or cached count changed."""
         capacity_end = state.capacity + 1
         next_cache_end = state.next_cache_end
-        self._noop_ends[request_id] = (
+        self._next_allocation_at[request_id] = (
             next_cache_end if next_cache_end < capacity_end else capacity_end
         )
 
@@ -323,7 +321,7 @@ class KVCacheManager:
         if state is None:
             return
         self._cache_full_blocks(request, state, min(num_computed_tokens, request.num_tokens))
-        self._publish_noop_end(request.request_id, state)
+        self._publish_next_allocation(request.request_id, state)
 
     def _cache_full_blocks(self, request: Request, state: _RequestBlocks, num_tokens: int) -> None:
         block_size = self.block_size
@@ -373,7 +371,7 @@ class KVCacheManager:
         """Release the request's blocks, tail first, so its last blocks are evicted first."""
         state = self._requests.pop(request.request_id, None)
         if state is not None:
-            del self._noop_ends[request.request_id]
+            del self._next_allocation_at[request.request_id]
             self.block_pool.free_blocks(reversed(state.blocks))
 
     def reset_prefix_cache(self) -> bool:
@@ -418,11 +416,11 @@ class KVCacheManager:
                 raise RuntimeError(f"request {request_id} capacity out of date")
             if state.num_cached > len(state.blocks):
                 raise RuntimeError(f"request {request_id} caches more blocks than it holds")
-            noop_end = min(state.next_cache_end, state.capacity + 1)
-            if self._noop_ends.get(request_id) != noop_end:
-                raise RuntimeError(f"request {request_id} noop_end out of date")
-        if self._noop_ends.keys() != self._requests.keys():
-            raise RuntimeError("noop_ends lists requests that hold no blocks")
+            bound = min(state.next_cache_end, state.capacity + 1)
+            if self._next_allocation_at.get(request_id) != bound:
+                raise RuntimeError(f"request {request_id}: next_allocation_at out of date")
+        if self._next_allocation_at.keys() != self._requests.keys():
+            raise RuntimeError("next_allocation_at knows requests that hold no blocks")
 
         num_zero = 0
         for block in pool.blocks[1:]:

@@ -240,8 +240,8 @@ class Scheduler(SchedulerInterface):
         max_model_len = self.max_model_len
         manager = self.kv_cache_manager
         allocate = manager.allocate_slots
-        # Every running request holds blocks, so it has an entry.
-        noop_ends = manager.noop_ends
+        # Every running request holds blocks, so the manager knows its bound.
+        next_allocation_at = manager.next_allocation_at
         running = self.running
         preempted_ids: set[str] = self._preempted_outside
         self._preempted_outside = set()
@@ -272,7 +272,7 @@ class Scheduler(SchedulerInterface):
             if (
                 0 < num_new <= fast_cap
                 and (no_drafts or not request.spec_token_ids)
-                and num_tokens < noop_ends[req_id]
+                and num_tokens < next_allocation_at(req_id)
             ):
                 num_computed_column.append(num_computed)
                 num_scheduled[req_id] = num_new

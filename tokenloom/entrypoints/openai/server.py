@@ -11,7 +11,7 @@ import argparse
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -27,6 +27,7 @@ from tokenloom.engine.protocol import EngineClient
 from tokenloom.metrics.prometheus import PrometheusStatLogger
 from tokenloom.model.hub import looks_like_hub_id
 
+from .cli_args import ServerArgs
 from .errors import OpenAIError, error_body
 from .openapi import ERROR_RESPONSES, generation_responses, install_openapi, json_body
 from .protocol import (
@@ -51,10 +52,10 @@ from .serving_base import (
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 from .serving_lora import LoRAAdapters
-from .tool_parsers import tool_parser_names
+from .tool_parsers import DEFAULT_TOOL_CALL_PARSER
 
-# The format the bundled tool template asks models for.
-DEFAULT_TOOL_CALL_PARSER = "hermes"
+if TYPE_CHECKING:
+    from tokenloom.engine.args import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -258,84 +259,41 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(f"internal error: {exc!r}", None, 500), 500)
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Server flags; the engine flags come from ``EngineArgs.add_cli_args``."""
-    from tokenloom.engine.args import EngineArgs
-
-    parser.add_argument("model_tag", nargs="?", default=None, help="model path (same as --model)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=None,
-        help="answer 503 when this many requests are already waiting (default: no limit)",
-    )
-    parser.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help="answer 413 to request bodies larger than this (default: 16 MiB)",
-    )
-    parser.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="accept a chat_template sent with a request (it is Jinja code run by the server)",
-    )
-    parser.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=None,
-        metavar="NAME=PATH",
-        help="LoRA adapters (PEFT directories) to serve from the start, each as name=path "
-        "(needs --enable-lora)",
-    )
-    parser.add_argument(
-        "--tool-call-parser",
-        default=DEFAULT_TOOL_CALL_PARSER,
-        choices=tool_parser_names(),
-        help="how to find tool calls in output for tool_choice auto (default: hermes, the "
-        "format of the bundled tool template)",
-    )
-    parser.add_argument(
-        "--uvicorn-log-level",
-        default="warning",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-    )
-    EngineArgs.add_cli_args(parser)
-    return parser
-
-
 def run_server(args: argparse.Namespace) -> None:
     """Build the engine from ``args`` (see ``add_serve_args``) and serve until SIGINT/SIGTERM."""
-    asyncio.run(_serve(args))
-
-
-async def _serve(args: argparse.Namespace) -> None:
     from tokenloom.engine.args import EngineArgs
-    from tokenloom.engine.async_llm import AsyncLLM
 
     if args.model_tag is not None:
         args.model = args.model_tag
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
-        raise SystemExit("--max-waiting-requests must be >= 0")
-    if args.max_request_bytes < 1:
-        raise SystemExit("--max-request-bytes must be >= 1")
-    engine_args = EngineArgs.from_cli_args(args)
-    lora_modules = parse_lora_modules(args.lora_modules)
-    if lora_modules and not engine_args.enable_lora:
+    try:
+        server_args = ServerArgs.from_cli_args(args)
+        engine_args = EngineArgs.from_cli_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"tokenloom serve: {exc}") from None
+    lora_modules = parse_lora_modules(server_args.lora_modules)
+    if lora_modules and not engine_args.config.frontend_config.enable_lora:
         raise SystemExit("--lora-modules needs --enable-lora")
-    model_name = engine_args.served_model_name or default_served_model_name(engine_args.model)
+    asyncio.run(_serve(server_args, engine_args, lora_modules))
+
+
+async def _serve(
+    server_args: ServerArgs, engine_args: EngineArgs, lora_modules: list[tuple[str, str]]
+) -> None:
+    from tokenloom.engine.async_llm import AsyncLLM
+
+    model_name = engine_args.config.frontend_config.served_model_name or (
+        default_served_model_name(engine_args.model)
+    )
     engine = AsyncLLM.from_engine_args(engine_args)
     try:
         app = build_app(
             engine,
             served_model_name=model_name,
-            max_waiting_requests=args.max_waiting_requests,
-            max_request_bytes=args.max_request_bytes,
-            trust_request_chat_template=args.trust_request_chat_template,
-            enable_lora=engine_args.enable_lora,
-            tool_call_parser=args.tool_call_parser,
+            max_waiting_requests=server_args.max_waiting_requests,
+            max_request_bytes=server_args.max_request_bytes,
+            trust_request_chat_template=server_args.trust_request_chat_template,
+            enable_lora=engine_args.config.frontend_config.enable_lora,
+            tool_call_parser=server_args.tool_call_parser,
         )
         adapters = app.state.serving.adapters
         for name, path in lora_modules:
@@ -345,14 +303,14 @@ async def _serve(args: argparse.Namespace) -> None:
                 raise SystemExit(f"--lora-modules {name}={path}: {exc.message}") from None
         config = uvicorn.Config(
             app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
+            host=server_args.host,
+            port=server_args.port,
+            log_level=server_args.uvicorn_log_level,
             timeout_keep_alive=5,
             # Ctrl-C must not wait for long streams to finish on their own.
             timeout_graceful_shutdown=5,
         )
-        logger.info("serving %s on http://%s:%d", model_name, args.host, args.port)
+        logger.info("serving %s on http://%s:%d", model_name, server_args.host, server_args.port)
         await uvicorn.Server(config).serve()
     finally:
         engine.shutdown()

@@ -20,6 +20,9 @@ from tokenloom.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 
 _REGISTRY: dict[str, type[ToolParser]] = {}
 
+# The format the bundled tool template asks models for.
+DEFAULT_TOOL_CALL_PARSER = "hermes"
+
 T = type[ToolParser]
 
 
@@ -46,9 +49,10 @@ def tool_parser_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-register_tool_parser("hermes")(HermesToolParser)
+register_tool_parser(DEFAULT_TOOL_CALL_PARSER)(HermesToolParser)
 
 __all__ = [
+    "DEFAULT_TOOL_CALL_PARSER",
     "HermesToolParser",
     "ParsedOutput",
     "ParsedToolCall",

@@ -1,0 +1,97 @@
+"""The engine set-up ``LLM`` and ``AsyncLLM`` share, around starting the engine core.
+
+``EngineSetup.from_engine_args`` finds the model (downloading a Hugging Face
+id) and reads its architecture. The caller starts the core from
+``core_configs`` (in this process, in its own, or one per data parallel
+rank), then ``front_end`` gives the request side: tokenizer, input and output
+processing, stat loggers. Imports no torch: with the core in its own process,
+the front end's process never loads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tokenloom.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from tokenloom.engine.args import EngineArgs, EngineConfig
+from tokenloom.engine.input_processor import InputProcessor, eos_token_ids
+from tokenloom.engine.output_processor import OutputProcessor
+from tokenloom.metrics.stats import LoggingStatLogger, StatLogger
+from tokenloom.model.arch_config import ModelArchConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+
+@dataclass(frozen=True)
+class FrontEnd:
+    """The request side of an engine, in front of its core."""
+
+    tokenizer: PreTrainedTokenizerFast
+    input_processor: InputProcessor
+    output_processor: OutputProcessor
+    stat_loggers: list[StatLogger]
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """An engine's arguments, its configs with the model located, and the model's architecture.
+
+    ``config.model_config.model`` is the model's local path; ``engine_args``
+    keep the model as the user gave it (the served name defaults to it).
+    """
+
+    engine_args: EngineArgs
+    config: EngineConfig
+    arch: ModelArchConfig
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> EngineSetup:
+        from tokenloom.model.arch_reader import load_arch_config
+        from tokenloom.model.paths import resolve_model_path
+
+        config = engine_args.config
+        path = resolve_model_path(config.model_config.model, config.model_config.revision)
+        model_config = dataclasses.replace(config.model_config, model=str(path))
+        located = dataclasses.replace(config, model_config=model_config)
+        return cls(engine_args, located, load_arch_config(path))
+
+    @property
+    def core_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig | None]:
+        """What an engine core is built from (``EngineCore.from_config``, ``MPClient``)."""
+        c = self.config
+        return c.model_config, c.cache_config, c.scheduler_config, c.lora_config
+
+    def load_tokenizer(self) -> PreTrainedTokenizerFast:
+        from tokenloom.model.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.config.model_config.model)  # type: ignore[arg-type]
+
+    def front_end(
+        self,
+        tokenizer: PreTrainedTokenizerFast,
+        max_model_len: int,
+        *,
+        validate_constraints_in_subprocess: bool = False,
+    ) -> FrontEnd:
+        """The request side for a core whose context is ``max_model_len`` tokens.
+
+        ``validate_constraints_in_subprocess``: check structured-output grammars in
+        a helper process (the grammar backend imports torch).
+        """
+        frontend = self.config.frontend_config
+        input_processor = InputProcessor(
+            tokenizer,
+            max_model_len,
+            self.arch.vocab_size,
+            eos_token_ids(self.arch.eos_token_ids, tokenizer),
+            max_logprobs=frontend.max_logprobs,
+            chat_template=self.config.chat_template,
+            lora_config=self.config.lora_config,
+            arch=self.arch,
+            validate_constraints_in_subprocess=validate_constraints_in_subprocess,
+        )
+        stat_loggers: list[StatLogger] = [LoggingStatLogger()] if frontend.log_stats else []
+        return FrontEnd(tokenizer, input_processor, OutputProcessor(tokenizer), stat_loggers)
