@@ -92,8 +92,14 @@ def load_model(
         model.prepack_weights()
     if layer_ops_available(device, dtype):
         model.use_fused_layer_ops()
-    if quantization and shard is None and isinstance(model, CausalLM):
-        model.decoder_stack = DecoderStack.for_model(model)
+    if (
+        quantization
+        and shard is None
+        and isinstance(model, CausalLM)
+        and layer_ops_available(device, dtype)
+        and DecoderStack.refusal(model) is None
+    ):
+        model.decoder_stack = DecoderStack(model)
     if shard is not None:
         from tokenloom.distributed.parallel_layers import parallelize
 
