@@ -20,8 +20,8 @@ from torch import nn
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight, computed in float32 like the reference models.
 
-    With ``fused_ops`` set (float32 on CPU, see ``CausalLM.use_fused_layer_ops``)
-    it runs the native kernels of ``csrc/layer_ops.cpp``.
+    With ``fused_ops`` set (the forward plan's layer_ops=native, see
+    ``CausalLM.use_fused_layer_ops``) it runs the native kernels of ``csrc/layer_ops.cpp``.
     """
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:

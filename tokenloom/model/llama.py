@@ -37,8 +37,8 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class NativeDecoder(Protocol):
-    """Every layer of a model as one native call, for the steps it serves
-    (``quantization.decoder_stack.DecoderStack``)."""
+    """Every layer of a model as one call, for the steps it serves (the native
+    decoder stack; the forward plan decides whether a model has one)."""
 
     def serves(self, meta: AttentionMetadata) -> bool: ...
 
@@ -243,7 +243,7 @@ class CausalLM(nn.Module):
         # The packed head, or tensor parallelism's gathering one (distributed.parallel_layers).
         self.logits_head: nn.Module | None = None
         # The layers as one native call, for the steps it serves: set by the loader
-        # for quantized models it applies to (quantization.decoder_stack).
+        # where the forward plan says decoder=stack.
         self.decoder_stack: NativeDecoder | None = None
 
     def init_buffers(
@@ -257,8 +257,8 @@ class CausalLM(nn.Module):
             self.local_rotary.build_cache(device, dtype, max_positions)
 
     def prepack_weights(self) -> None:
-        """Run every matmul, the LM head included, on MKL-packed weights (CPU, float32:
-        see ``packed_linear``); the parameters stay as they are."""
+        """Run every matmul, the LM head included, on MKL-packed weights (the forward
+        plan's matmul=mkl, see ``packed_linear``); the parameters stay as they are."""
         prepack_linears(self.layers)
         self.logits_head = PackedLinear(
             self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -266,7 +266,7 @@ class CausalLM(nn.Module):
 
     def use_fused_layer_ops(self) -> None:
         """Run RMSNorm (with its residual add), SiLU-and-mul and RoPE through the
-        native CPU kernels (float32 on CPU: ``cpu_kernels.layer_ops_available``)."""
+        native CPU kernels (the forward plan's layer_ops=native)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, GatedMLP, Attention)):
                 module.fused_ops = True
