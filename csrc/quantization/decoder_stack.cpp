@@ -206,6 +206,11 @@ class DecoderStack : public torch::CustomClassHolder {
             paged_attention_.call(attended, q, k_caches[l], v_caches[l], block_table, table_rows,
                                   query_start, query_len, seq_lens, scale_);
             x = attended.view({q.size(0), q_size});
+            // Consumed: their buffers (and qkv, which v views) go back to the
+            // allocator for the layer's next tensors.
+            q.reset();
+            k.reset();
+            v.reset();
             break;
           }
           case Op::kGateUp: {
