@@ -31,6 +31,11 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def choices(loaded: LoadedModel) -> tuple[str, str, str, str]:
+    plan = loaded.plan
+    return plan.matmul, plan.layer_ops, plan.attention, plan.decoder
+
+
 def fused(loaded: LoadedModel) -> set[bool]:
     """Whether the modules run the native layer ops, as a set over all of them."""
     return {m.fused_ops for m in loaded.model.modules() if isinstance(m, (RMSNorm, GatedMLP))}
@@ -51,14 +56,8 @@ def test_the_plan_is_logged_and_the_model_set_up_for_it(
 ) -> None:
     with caplog.at_level(logging.INFO, logger="tokenloom.model_loader.loader"):
         loaded = load_model(ModelConfig(model=str(tiny_gguf)))
-    plan = loaded.plan
-    assert (plan.matmul, plan.layer_ops, plan.attention, plan.decoder) == (
-        "native",
-        "native",
-        "native",
-        "stack",
-    )
-    assert f"forward plan for tiny.gguf: {plan.describe()}" in caplog.messages
+    assert choices(loaded) == ("native", "native", "native", "stack")
+    assert f"forward plan for tiny.gguf: {loaded.plan.describe()}" in caplog.messages
     assert isinstance(loaded.model.decoder_stack, DecoderStack)
     assert loaded.attention_op is not None
     assert fused(loaded) == {True}
@@ -71,13 +70,7 @@ def test_the_override_turns_each_native_path_off(
     native = load_model(ModelConfig(model=str(tiny_gguf)))
     monkeypatch.setenv(ENV, "matmul=torch,layer_ops=torch,attention=torch,decoder=modules")
     loaded = load_model(ModelConfig(model=str(tiny_gguf)))
-    plan = loaded.plan
-    assert (plan.matmul, plan.layer_ops, plan.attention, plan.decoder) == (
-        "torch",
-        "torch",
-        "torch",
-        "modules",
-    )
+    assert choices(loaded) == ("torch", "torch", "torch", "modules")
     assert loaded.model.decoder_stack is None and loaded.attention_op is None
     assert fused(loaded) == {False}
     assert not any(m.native for m in loaded.model.modules() if isinstance(m, QuantLinear))

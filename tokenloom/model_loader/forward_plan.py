@@ -21,7 +21,8 @@ The parts, each with its choices best first (the last always runs):
 ``decide_plan`` is pure: it takes what the model, device, dtype and build allow
 (``PlanInputs``) and picks, for each part, the best choice available or the one
 ``TOKENLOOM_FORWARD_PLAN`` asks for (for debugging, e.g.
-``decoder=modules,attention=torch``), refusing a choice that cannot run here.
+``decoder=modules,attention=torch``; it applies to every model the process
+loads, a draft model too), refusing a choice that cannot run here.
 The weights' format is an input, not a separate engine: a new format adds the
 choices that serve it (a native matmul for 16-bit weights, the stack over it);
 a new device adds its own (an attention kernel per backend, a decoder that
