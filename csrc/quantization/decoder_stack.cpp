@@ -1,15 +1,16 @@
-// A Llama decoder's layers on quantized weights as one native call per step.
+// A decoder's layers on quantized weights as one native call per step.
 //
-// At batch 1 a step of the default model makes some 300 op calls from Python
-// (four projections and six element-wise or attention ops per layer, 30
-// layers), each costing microseconds of Python and dispatch around a kernel
-// that may take only a few more: together about a third of the step. This
-// class holds every layer's weights, checked once at load, and runs the same
-// kernels in the same order as the modules do (llama.py's DecoderLayer with
-// native layer ops), so its output is the modules' output bit for bit. The
-// element-wise and attention kernels live in the `tokenloom_cpu` library
-// (model/csrc) and are called through the dispatcher, the projections
-// directly. decoder_stack.py decides which models and steps it serves.
+// At batch 1 a step makes a few hundred small op calls from Python, each
+// costing microseconds of interpreter and dispatch around a kernel that may
+// take only a few more. This class holds every layer's weights, checked once
+// at load, and runs the layer's recipe (tokenloom/model/recipe.py: its steps
+// by name, the same for every layer) step by step with the kernels the modules
+// call for each step (llama.py's DecoderLayer.forward with native layer ops),
+// so its output is the modules' output bit for bit. A recipe with a step this
+// file does not implement is refused when the stack is built. The element-wise
+// and attention kernels live in the `tokenloom_cpu` library and are called
+// through the dispatcher, the projections directly. decoder_stack.py decides
+// which models and steps it serves.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -19,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -35,21 +37,51 @@ c10::TypedOperatorHandle<Signature> cpu_op(const char* name) {
 using Tensor = at::Tensor;
 using CTensor = const at::Tensor&;
 
-// The projections of a layer, in the order add_matrix receives them.
-enum Projection { kQkv, kO, kGateUp, kDown, kProjections };
+// The steps this stack implements (recipe.py's Op, by the same names).
+enum class Op { kAddNorm, kNorm, kQkvProj, kRope, kAttend, kOProj, kGateUp, kDownProj };
 
+struct StepName {
+  const char* name;
+  Op op;
+};
+constexpr StepName kSteps[] = {
+    {"add_norm", Op::kAddNorm}, {"norm", Op::kNorm},       {"qkv_proj", Op::kQkvProj},
+    {"rope", Op::kRope},        {"attend", Op::kAttend},   {"o_proj", Op::kOProj},
+    {"gate_up", Op::kGateUp},   {"down_proj", Op::kDownProj},
+};
+
+std::vector<std::string> implemented_steps() {
+  std::vector<std::string> names;
+  for (const StepName& step : kSteps) names.emplace_back(step.name);
+  return names;
+}
+
+Op parse_step(const std::string& name) {
+  for (const StepName& step : kSteps) {
+    if (name == step.name) return step.op;
+  }
+  TORCH_CHECK(false, "the decoder stack has no step '", name, "'");
+}
+
+bool takes_norm(Op op) { return op == Op::kAddNorm || op == Op::kNorm; }
+
+bool takes_matrix(Op op) {
+  return op == Op::kQkvProj || op == Op::kOProj || op == Op::kGateUp || op == Op::kDownProj;
+}
+
+// One layer's weights: a norm weight per norm step and a matrix per projection
+// step, in recipe order.
 struct Layer {
-  Tensor input_norm;
-  Tensor post_norm;
-  std::vector<QuantMatrix> projections;
+  std::vector<Tensor> norms;
+  std::vector<QuantMatrix> matrices;
 };
 
 class DecoderStack : public torch::CustomClassHolder {
  public:
-  // scale: the attention's score scale; the RMSNorms share eps. Needs the
-  // tokenloom_cpu library loaded.
-  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-               Tensor final_norm)
+  // recipe: every layer's steps by name; scale: the attention's score scale;
+  // the RMSNorms share eps. Needs the tokenloom_cpu library loaded.
+  DecoderStack(std::vector<std::string> recipe, int64_t num_heads, int64_t num_kv_heads,
+               int64_t head_dim, double eps, double scale, Tensor final_norm)
       : num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
@@ -66,28 +98,43 @@ class DecoderStack : public torch::CustomClassHolder {
                         CTensor, double)>("tokenloom_cpu::paged_attention")) {
     TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0,
                 "bad head counts or head_dim");
+    bool qkv = false, rope = false;
+    for (const std::string& name : recipe) {
+      const Op op = parse_step(name);
+      // Each step's inputs come from an earlier one; the first sets the residual stream.
+      TORCH_CHECK(!recipe_.empty() || op == Op::kAddNorm, "a recipe starts with add_norm");
+      TORCH_CHECK(op != Op::kRope || qkv, "rope needs an earlier qkv_proj");
+      TORCH_CHECK(op != Op::kAttend || rope, "attend needs an earlier rope");
+      qkv = qkv || op == Op::kQkvProj;
+      rope = rope || op == Op::kRope;
+      recipe_.push_back(op);
+      if (takes_matrix(op)) matrix_steps_.push_back(op);
+      norms_per_layer_ += takes_norm(op);
+    }
   }
 
-  // Starts the next layer: its two RMSNorm weights.
-  void add_layer(Tensor input_norm, Tensor post_norm) {
-    TORCH_CHECK(layers_.empty() || layers_.back().projections.size() == kProjections,
+  // Starts the next layer: the weights of its norm steps, in recipe order.
+  void add_layer(std::vector<Tensor> norms) {
+    TORCH_CHECK(layers_.empty() || layers_.back().matrices.size() == matrix_steps_.size(),
                 "the previous layer lacks projections");
-    layers_.push_back({std::move(input_norm), std::move(post_norm), {}});
+    TORCH_CHECK(norms.size() == norms_per_layer_, "the recipe has ", norms_per_layer_,
+                " norm steps, got ", norms.size(), " norm weights");
+    layers_.push_back({std::move(norms), {}});
   }
 
-  // The current layer's next projection (qkv, o, gate_up, down), as quant_linear's arguments.
+  // The current layer's next projection step's matrix, as quant_linear's arguments.
   void add_matrix(Tensor qweight, std::optional<Tensor> qhigh, Tensor scale_base,
                   std::optional<Tensor> scale_codes, std::optional<Tensor> min_base,
                   std::optional<Tensor> min_codes, double min_multiplier, int64_t bits,
                   int64_t group, int64_t n_out, int64_t act_group) {
-    TORCH_CHECK(!layers_.empty() && layers_.back().projections.size() < kProjections,
-                "add_matrix needs a layer with fewer than four projections");
+    TORCH_CHECK(!layers_.empty() && layers_.back().matrices.size() < matrix_steps_.size(),
+                "add_matrix needs a layer with fewer matrices than the recipe's projections");
+    std::vector<QuantMatrix>& matrices = layers_.back().matrices;
     const int64_t qkv_width = (num_heads_ + 2 * num_kv_heads_) * head_dim_;
-    TORCH_CHECK(!layers_.back().projections.empty() || n_out == qkv_width, "layer ",
+    TORCH_CHECK(matrix_steps_[matrices.size()] != Op::kQkvProj || n_out == qkv_width, "layer ",
                 layers_.size() - 1, ": qkv width ", n_out, ", the heads need ", qkv_width);
-    layers_.back().projections.emplace_back(qweight, qhigh, scale_base, scale_codes, min_base,
-                                            min_codes, min_multiplier, bits, group, n_out,
-                                            act_group);
+    matrices.emplace_back(qweight, qhigh, scale_base, scale_codes, min_base, min_codes,
+                          min_multiplier, bits, group, n_out, act_group);
   }
 
   // h [T, hidden]: the embedded tokens (overwritten: it becomes the residual
@@ -102,57 +149,87 @@ class DecoderStack : public torch::CustomClassHolder {
                  Tensor table_rows, Tensor query_start, Tensor query_len, Tensor seq_lens,
                  std::optional<Tensor> keep_rows) {
     const size_t count = layers_.size();
-    TORCH_CHECK(count > 0 && layers_.back().projections.size() == kProjections,
+    TORCH_CHECK(count > 0 && layers_.back().matrices.size() == matrix_steps_.size(),
                 "the stack's last layer is incomplete");
     TORCH_CHECK(k_caches.size() == count && v_caches.size() == count, "got ", k_caches.size(),
                 " K and ", v_caches.size(), " V caches for ", count, " layers");
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(),
                 "h must be contiguous float32 [T, hidden]");
-    int64_t tokens = h.size(0);
+    const int64_t tokens = h.size(0);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-    const auto options = h.options();
-    Tensor residual = h;
+    // The registers of recipe.py.
+    Tensor x = h, residual, q, k, v;
     for (size_t l = 0; l < count; ++l) {
       const Layer& layer = layers_[l];
-      const std::vector<QuantMatrix>& proj = layer.projections;
-      Tensor x = h;
-      if (l == 0) {
-        x = at::empty_like(h);
-        rms_norm_.call(x, h, layer.input_norm, eps_);
-      } else {
-        add_rms_norm_.call(x, residual, layer.input_norm, eps_);
+      size_t next_norm = 0, next_matrix = 0;
+      for (const Op op : recipe_) {
+        switch (op) {
+          case Op::kAddNorm: {
+            const Tensor& weight = layer.norms[next_norm++];
+            if (!residual.defined()) {
+              residual = x;
+              x = at::empty_like(residual);
+              rms_norm_.call(x, residual, weight, eps_);
+            } else {
+              add_rms_norm_.call(x, residual, weight, eps_);
+            }
+            break;
+          }
+          case Op::kNorm: {
+            Tensor normed = at::empty_like(x);
+            rms_norm_.call(normed, x, layer.norms[next_norm++], eps_);
+            x = normed;
+            break;
+          }
+          case Op::kQkvProj:
+          case Op::kOProj:
+          case Op::kDownProj:
+            x = layer.matrices[next_matrix++](x);
+            break;
+          case Op::kRope: {
+            const int64_t rows = x.size(0);
+            q = at::empty({rows, num_heads_, head_dim_}, x.options());
+            k = at::empty({rows, num_kv_heads_, head_dim_}, x.options());
+            rotary_qk_.call(q, k, x, cos, sin);
+            v = x.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads_, head_dim_});
+            break;
+          }
+          case Op::kAttend: {
+            write_kv_.call(k, v, k_caches[l], v_caches[l], slot_mapping);
+            if (keep_rows && l + 1 == count) {
+              std::tie(table_rows, query_start, query_len, seq_lens) =
+                  rows_as_requests(*keep_rows, tokens, table_rows, query_start, query_len, seq_lens);
+              q = q.index_select(0, *keep_rows);
+              residual = residual.index_select(0, *keep_rows);
+            }
+            Tensor attended = at::empty_like(q);
+            paged_attention_.call(attended, q, k_caches[l], v_caches[l], block_table, table_rows,
+                                  query_start, query_len, seq_lens, scale_);
+            x = attended.view({q.size(0), q_size});
+            // Consumed: their buffers (and qkv, which v views) go back to the
+            // allocator for the layer's next tensors.
+            q.reset();
+            k.reset();
+            v.reset();
+            break;
+          }
+          case Op::kGateUp: {
+            // As GatedMLP.activation decides: fused where each half is whole panels.
+            const QuantMatrix& gate_up = layer.matrices[next_matrix++];
+            if (gate_up.has_silu_product()) {
+              x = gate_up.silu_product(x);
+            } else {
+              const Tensor both = gate_up(x);
+              x = at::empty({both.size(0), both.size(1) / 2}, both.options());
+              silu_and_mul_.call(x, both);
+            }
+            break;
+          }
+        }
       }
-      const Tensor qkv = proj[kQkv](x);
-      Tensor q = at::empty({tokens, num_heads_, head_dim_}, options);
-      Tensor k = at::empty({tokens, num_kv_heads_, head_dim_}, options);
-      rotary_qk_.call(q, k, qkv, cos, sin);
-      const Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
-      write_kv_.call(k, v, k_caches[l], v_caches[l], slot_mapping);
-      if (keep_rows && l + 1 == count) {
-        std::tie(table_rows, query_start, query_len, seq_lens) =
-            rows_as_requests(*keep_rows, tokens, table_rows, query_start, query_len, seq_lens);
-        q = q.index_select(0, *keep_rows);
-        residual = residual.index_select(0, *keep_rows);
-        tokens = q.size(0);
-      }
-      Tensor attended = at::empty_like(q);
-      paged_attention_.call(attended, q, k_caches[l], v_caches[l], block_table, table_rows,
-                            query_start, query_len, seq_lens, scale_);
-      Tensor o = proj[kO](attended.view({tokens, q_size}));
-      add_rms_norm_.call(o, residual, layer.post_norm, eps_);
-      Tensor act;
-      // As GatedMLP decides: fused where each half is whole panels.
-      if (proj[kGateUp].has_silu_product()) {
-        act = proj[kGateUp].silu_product(o);
-      } else {
-        const Tensor gate_up = proj[kGateUp](o);
-        act = at::empty({tokens, gate_up.size(1) / 2}, options);
-        silu_and_mul_.call(act, gate_up);
-      }
-      h = proj[kDown](act);
     }
-    add_rms_norm_.call(h, residual, final_norm_, eps_);
-    return h;
+    add_rms_norm_.call(x, residual, final_norm_, eps_);
+    return x;
   }
 
  private:
@@ -190,6 +267,9 @@ class DecoderStack : public torch::CustomClassHolder {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   Tensor final_norm_;
+  std::vector<Op> recipe_;
+  std::vector<Op> matrix_steps_;  // the recipe's projection steps, in order
+  size_t norms_per_layer_ = 0;
   std::vector<Layer> layers_;
   c10::TypedOperatorHandle<void(Tensor, CTensor, CTensor, double)> rms_norm_;
   c10::TypedOperatorHandle<void(Tensor, Tensor, CTensor, double)> add_rms_norm_;
@@ -205,8 +285,10 @@ class DecoderStack : public torch::CustomClassHolder {
 }  // namespace tokenloom
 
 TORCH_LIBRARY_FRAGMENT(tokenloom_quant, m) {
+  m.def("decoder_stack_steps() -> str[]", &tokenloom::implemented_steps);
   m.class_<tokenloom::DecoderStack>("DecoderStack")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor>())
+      .def(torch::init<std::vector<std::string>, int64_t, int64_t, int64_t, double, double,
+                       at::Tensor>())
       .def("add_layer", &tokenloom::DecoderStack::add_layer)
       .def("add_matrix", &tokenloom::DecoderStack::add_matrix)
       .def("forward", &tokenloom::DecoderStack::forward);

@@ -18,9 +18,10 @@ from tokenloom.config import ModelConfig
 from tokenloom.model.attention import NATIVE_MAX_QUERY, AttentionMetadata
 from tokenloom.model.kv_cache import allocate_kv_caches
 from tokenloom.model.layers import RMSNorm
+from tokenloom.model.recipe import Op, Step, attention_steps
 from tokenloom.model_loader.loader import LoadedModel, load_model
 from tokenloom.ops.cpu_kernels import paged_attention_op
-from tokenloom.quantization.decoder_stack import DecoderStack
+from tokenloom.quantization.decoder_stack import DecoderStack, implemented_steps
 
 BLOCK = 16
 
@@ -28,6 +29,16 @@ BLOCK = 16
 @pytest.fixture(scope="module")
 def default_quantized() -> LoadedModel:
     return load_model(ModelConfig(model=None))
+
+
+@pytest.fixture
+def tiny_quantized(tmp_path: Path) -> LoadedModel:
+    """A random two-layer Llama GGUF, loaded quantized with its stack (fresh per test:
+    tests change its layers)."""
+    path = tmp_path / "tiny.gguf"
+    matrices = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    write_tiny_gguf(path, {"token_embd": T.Q8_0, **dict.fromkeys(matrices, T.Q4_K)})
+    return load_model(ModelConfig(model=str(path)))
 
 
 class CountingStack:
@@ -43,37 +54,46 @@ class CountingStack:
         return out
 
 
+# A fixed mix: a long prefill (modules), then steps of decodes, short chunks and
+# the longest chunk the native attention kernel takes, side by side. Each step
+# lists (sequence, new tokens).
+MIXED_STEPS = [
+    [(0, NATIVE_MAX_QUERY + 1), (1, 40)],  # a chunk longer than the kernel takes: modules
+    [(0, 1), (1, 1), (2, 5)],
+    [(0, 1), (1, 3), (2, NATIVE_MAX_QUERY)],
+    [(0, 1)],
+    [(0, 1), (1, 1), (2, 1)],
+]
+
+
 def run_schedule(
-    loaded: LoadedModel, cache_dtype: torch.dtype, use_stack: bool
+    loaded: LoadedModel,
+    cache_dtype: torch.dtype,
+    use_stack: bool,
+    steps: list[list[tuple[int, int]]] = MIXED_STEPS,
 ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]], int]:
-    """(logits of every step, the caches after, steps the stack ran) for a fixed
-    mix: a long prefill (modules), then steps of decodes, short chunks and the
-    longest chunk the native attention kernel takes, side by side."""
+    """(logits of every step, the caches after, steps the stack ran) for ``steps``
+    over three random sequences."""
     model: Any = loaded.model
     stack = model.decoder_stack
     counter = CountingStack(stack.stack)
     stack.stack = counter
     model.decoder_stack = stack if use_stack else None
-    longest = NATIVE_MAX_QUERY
-    seq_len = longest + 10
+    seq_len = max(sum(n for step in steps for seq, n in step if seq == i) for i in range(3))
     caches = allocate_kv_caches(
         loaded.arch, 3 * -(-seq_len // BLOCK) + 1, BLOCK, cache_dtype, loaded.device
     )
     native_op = paged_attention_op(loaded.device, loaded.dtype, loaded.arch.head_dim)
     gen = torch.Generator().manual_seed(0)
-    seqs = [Seq(torch.randint(100, 40000, (seq_len,), generator=gen).tolist()) for _ in range(3)]
+    top = min(40000, loaded.arch.vocab_size)
+    seqs = [Seq(torch.randint(100, top, (seq_len,), generator=gen).tolist()) for _ in range(3)]
     allocator = BlockAllocator(BLOCK)
-    schedules = [
-        [(seqs[0], longest + 1), (seqs[1], 40)],  # a chunk longer than the kernel takes: modules
-        [(seqs[0], 1), (seqs[1], 1), (seqs[2], 5)],
-        [(seqs[0], 1), (seqs[1], 3), (seqs[2], longest)],
-        [(seqs[0], 1)],
-        [(seqs[0], 1), (seqs[1], 1), (seqs[2], 1)],
-    ]
     try:
         logits = [
-            torch.cat(run_step(model, caches, allocator, schedule, native_op))
-            for schedule in schedules
+            torch.cat(
+                run_step(model, caches, allocator, [(seqs[i], n) for i, n in step], native_op)
+            )
+            for step in steps
         ]
     finally:
         stack.stack = counter.native
@@ -149,8 +169,10 @@ def _with_bias(model: Any) -> None:
 
 
 def _with_q_norm(model: Any) -> None:
-    attn = model.layers[0].self_attn
-    attn.q_norm = RMSNorm(attn.head_dim, 1e-5)
+    for layer in model.layers:
+        attn = layer.self_attn
+        attn.q_norm = attn.k_norm = RMSNorm(attn.head_dim, 1e-5)
+        layer.recipe = (*layer.recipe[:2], Step(Op.QK_NORM), *layer.recipe[2:])
 
 
 def _with_window(model: Any) -> None:
@@ -161,17 +183,79 @@ def _with_softcap(model: Any) -> None:
     model.layers[0].self_attn.softcap = 50.0
 
 
-@pytest.mark.parametrize("change", [_with_bias, _with_q_norm, _with_window, _with_softcap])
+@pytest.mark.parametrize(
+    ("change", "refusal"),
+    [
+        (_with_bias, "layer 1's self_attn.qkv_proj has a bias"),
+        (_with_q_norm, "'qk_norm' step, which the stack does not implement"),
+        (_with_window, "layer 1 has a sliding window"),
+        (_with_softcap, "layer 0 has a sliding window or soft-capped scores"),
+    ],
+)
 def test_layers_it_does_not_compute_keep_the_modules(
-    change: Callable[[Any], None], tmp_path: Path
+    change: Callable[[Any], None], refusal: str, tiny_quantized: LoadedModel
 ) -> None:
-    path = tmp_path / "tiny.gguf"
-    matrices = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-    write_tiny_gguf(path, {"token_embd": T.Q8_0, **dict.fromkeys(matrices, T.Q4_K)})
-    model: Any = load_model(ModelConfig(model=str(path))).model
-    assert DecoderStack.for_model(model) is not None
+    model: Any = tiny_quantized.model
+    assert DecoderStack.refusal(model) is None
     change(model)
-    assert DecoderStack.for_model(model) is None
+    assert refusal in str(DecoderStack.refusal(model))
+    with pytest.raises(ValueError, match="cannot compute this model"):
+        DecoderStack(model)
+
+
+def test_the_stack_refuses_recipes_with_steps_it_lacks(tiny_quantized: LoadedModel) -> None:
+    # What the native stack lacks, by name: Qwen3's and Gemma 3's per-head q/k norms.
+    assert implemented_steps() == {op.value for op in Op} - {"qk_norm"}
+    model: Any = tiny_quantized.model
+    attn = model.layers[0].self_attn
+    llama = [step.op.value for step in model.layers[0].recipe]
+
+    def build(recipe: list[str]) -> Any:
+        return torch.classes.tokenloom_quant.DecoderStack(
+            recipe, attn.num_heads, attn.num_kv_heads, attn.head_dim, 1e-5, 0.125, model.norm.weight
+        )
+
+    build(llama)
+    with pytest.raises(RuntimeError, match="the decoder stack has no step 'qk_norm'"):
+        build([*llama[:2], "qk_norm", *llama[2:]])
+    with pytest.raises(RuntimeError, match="has no step 'swap'"):
+        build([*llama, "swap"])
+    with pytest.raises(RuntimeError, match="attend needs an earlier rope"):
+        build(["add_norm", "qkv_proj", "attend", "rope"])
+    with pytest.raises(RuntimeError, match="starts with add_norm"):
+        build(["norm", *llama])
+
+
+# Llama's weights in Gemma's order: a norm after each sublayer too (reusing the
+# layer's two norms, so that no weight is missing).
+SANDWICH = (
+    Step(Op.ADD_NORM, "input_layernorm"),
+    *attention_steps(qk_norm=False),
+    Step(Op.NORM, "post_attention_layernorm"),
+    Step(Op.ADD_NORM, "input_layernorm"),
+    Step(Op.GATE_UP),
+    Step(Op.DOWN_PROJ),
+    Step(Op.NORM, "post_attention_layernorm"),
+)
+SHORT_STEPS = [[(0, 20), (1, 7)], [(0, 1), (1, 3), (2, 12)], [(0, 1), (1, 1), (2, 1)]]
+
+
+def test_a_new_recipe_runs_alike_in_the_modules_and_the_stack(
+    tiny_quantized: LoadedModel,
+) -> None:
+    model: Any = tiny_quantized.model
+    llama, _, _ = run_schedule(tiny_quantized, torch.float32, False, SHORT_STEPS)
+    for layer in model.layers:
+        layer.recipe = SANDWICH
+    model.decoder_stack = DecoderStack(model)
+    stacked, stacked_caches, calls = run_schedule(tiny_quantized, torch.float32, True, SHORT_STEPS)
+    modules, module_caches, _ = run_schedule(tiny_quantized, torch.float32, False, SHORT_STEPS)
+    assert calls == len(SHORT_STEPS)
+    for a, b, before in zip(stacked, modules, llama, strict=True):
+        assert torch.equal(a, b)
+        assert not torch.allclose(a, before, atol=1e-2)  # the recipe changed both paths
+    for (k1, v1), (k2, v2) in zip(stacked_caches, module_caches, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
 def test_float_weights_and_disabled_kernels_get_no_stack(
@@ -199,6 +283,7 @@ def test_a_qkv_projection_that_does_not_fit_the_heads_is_refused_at_load(
     model: Any = default_quantized.model
     attn = model.layers[0].self_attn
     stack = torch.classes.tokenloom_quant.DecoderStack(
+        [step.op.value for step in model.layers[0].recipe],
         attn.num_heads + attn.num_kv_heads,
         attn.num_kv_heads,
         attn.head_dim,
@@ -206,6 +291,6 @@ def test_a_qkv_projection_that_does_not_fit_the_heads_is_refused_at_load(
         0.125,
         model.norm.weight,
     )
-    stack.add_layer(model.layers[0].input_layernorm.weight, model.norm.weight)
+    stack.add_layer([model.layers[0].input_layernorm.weight, model.norm.weight])
     with pytest.raises(RuntimeError, match="qkv width 960"):
         stack.add_matrix(*attn.qkv_proj.qweight.kernel_args())

@@ -231,6 +231,13 @@ def check_against_reference(result: RunResult, references: list[Reference], tag:
     return worst
 
 
+def test_the_runner_says_which_forward_path_runs(runner: ModelRunner) -> None:
+    plan = runner.forward_plan
+    assert (plan.weights, plan.matmul, plan.decoder) == ("float32", "mkl", "modules")
+    assert runner.model.decoder_stack is None
+    assert (runner.native_attention is not None) == (plan.attention == "native")
+
+
 def test_chunked_prefill_matches_transformers(
     runner: ModelRunner, prompts: list[list[int]], references: list[Reference]
 ) -> None:

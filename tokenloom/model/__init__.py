@@ -1,11 +1,13 @@
-"""Decoder models in PyTorch over a paged KV cache, and their loading.
+"""Decoder models in PyTorch over a paged KV cache, and reading their weight files
+(``model_loader.loader.load_model`` builds a loaded model from them).
 
 Families: Llama, Mistral, Qwen2, Qwen3, Phi-3 (``llama``), Gemma 2 and 3
-(``gemma``); ``registry.model_class(arch)`` picks the class.
+(``gemma``); ``registry.model_class(arch)`` picks the class. A layer's order of
+operations is its ``recipe`` (``recipe.Op`` steps), which the modules and the
+native decoder stack both run.
 
 Entry points used elsewhere:
 - ``paths.resolve_model_path(model, revision)`` (torch-free; Hugging Face ids via ``hub``)
-- ``loader.load_model(model_config) -> LoadedModel``
 - ``arch_reader.load_arch_config(path) -> ModelArchConfig`` (cheap: no tensors, no torch;
   family settings in ``arch_families``)
 - ``tokenizer.load_tokenizer(path)`` (torch-free); ``dtype.resolve_dtype(name, device)``

@@ -31,10 +31,10 @@ The cache may hold K/V in a narrower dtype than the model computes in
 (``CacheConfig.cache_dtype``, e.g. bfloat16 under a float32 model): they are
 rounded when written and widened when read, which halves what a decode reads.
 
-Where the native CPU kernel is available (``cpu_kernels``; the runner passes it
-as ``native_op``), every request with at most ``NATIVE_MAX_QUERY`` new tokens is
-attended by it in one call that reads K/V in place through the block table, and
-only longer chunks take the SDPA path above.
+Where the forward plan chose the native CPU kernel (``cpu_kernels``; the runner
+passes it as ``native_op``), every request with at most ``NATIVE_MAX_QUERY`` new
+tokens is attended by it in one call that reads K/V in place through the block
+table, and only longer chunks take the SDPA path above.
 
 Sliding-window layers (Mistral, Gemma, Phi-3) attend to the last ``window``
 positions only: ``meta.for_layer(window, native)`` gives a variant of the
@@ -83,10 +83,9 @@ class DecodeGroup:
 
 
 # Longest chunk the native kernel takes. It scores each query token against its
-# context separately: up to 512 new tokens that beats SDPA, even on a fresh
-# prompt SDPA takes without a gather, and a step's chunks go in one call instead
-# of one each (a 2,048-token step of 32-512-token prompts: 5.43 against 6.86 ms a
-# layer, benchmarks/attention_kernels.py); from about 1,024 SDPA's tiles win.
+# context separately and takes a step's chunks in one call, not one each: up to
+# this length that beats SDPA, even on a fresh prompt SDPA takes without a
+# gather; on longer chunks SDPA's tiles win.
 NATIVE_MAX_QUERY = 512
 
 
@@ -429,7 +428,7 @@ def _prefill_attention(
     """q: [q, H, D]; k, v: this chunk's fresh [q, Hkv, D] -> [q, H, D].
 
     SDPA gets 4-D [1, heads, tokens, D] inputs: on CPU only those reach the fused
-    flash kernel (3-D ones take the unfused path, 3-4x slower at 512 tokens)."""
+    flash kernel (3-D ones take the slower unfused path)."""
     if chunk.context_len == 0:
         out = _attend(
             q.transpose(0, 1)[None],

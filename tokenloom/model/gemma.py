@@ -11,8 +11,9 @@ What differs from ``llama``:
 - sliding-window layers interleave with global ones (every other layer in
   Gemma 2, five of six in Gemma 3, whose sliding layers also use their own RoPE
   base and whose q/k are RMS-normalised per head).
-All of these but the norms' placement, the embedding scale and the norm offset
-are ``ModelArchConfig`` switches that ``llama.Attention`` and ``CausalLM`` read.
+All of these but the norms' placement (the layer's recipe), the embedding scale
+and the norm offset are ``ModelArchConfig`` switches that ``llama.Attention`` and
+``CausalLM`` read.
 """
 
 from __future__ import annotations
@@ -20,43 +21,30 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch import nn
 
 from tokenloom.model.arch_config import ModelArchConfig
-from tokenloom.model.attention import AttentionMetadata
-from tokenloom.model.layers import GatedMLP, RMSNorm
-from tokenloom.model.llama import Attention, CausalLM, KVCache
+from tokenloom.model.layers import RMSNorm
+from tokenloom.model.llama import CausalLM, DecoderLayer
+from tokenloom.model.recipe import Op, Step, attention_steps
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(DecoderLayer):
+    """Llama's layer with a norm after each sublayer as well as before."""
+
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, layer: int = 0) -> None:
-        super().__init__()
+        super().__init__(arch, dtype, layer)
         hidden, eps = arch.hidden_size, arch.rms_norm_eps
-        self.input_layernorm = RMSNorm(hidden, eps, dtype)
-        self.self_attn = Attention(arch, dtype, layer)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, dtype)
-        self.mlp = GatedMLP(hidden, arch.intermediate_size, dtype, arch.hidden_act)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype)
-
-    def forward(
-        self,
-        h: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Same contract as ``llama.DecoderLayer.forward``."""
-        if residual is None:
-            residual = h
-            x = self.input_layernorm(h)
-        else:
-            x, residual = self.input_layernorm.add_and_norm(h, residual)
-        x = self.post_attention_layernorm(self.self_attn(x, cos, sin, kv_cache, meta))
-        x, residual = self.pre_feedforward_layernorm.add_and_norm(x, residual)
-        return self.post_feedforward_layernorm(self.mlp(x)), residual
+        self.recipe = (
+            Step(Op.ADD_NORM, "input_layernorm"),
+            *attention_steps(arch.qk_norm),
+            Step(Op.NORM, "post_attention_layernorm"),
+            Step(Op.ADD_NORM, "pre_feedforward_layernorm"),
+            Step(Op.GATE_UP),
+            Step(Op.DOWN_PROJ),
+            Step(Op.NORM, "post_feedforward_layernorm"),
+        )
 
 
 class GemmaForCausalLM(CausalLM):

@@ -10,11 +10,10 @@ out zeroed.
 
 The pages are then faulted in at once (``MADV_POPULATE_WRITE``), as allocating
 a cache with ``torch.zeros`` would: left to the first write of each block, the
-faults fell in the first requests' steps. On a VM whose host backs guest memory
-only when it is first touched, each 2 MB page took about 2 ms there, and a
-fresh engine's first run of the main workload was 1-3 s slower than its later
-ones (benchmarks.md, stop 36). Where the kernel lacks the advice (before Linux
-5.14), the pages come as they are first written.
+faults would fall in the first requests' steps, and on a VM whose host backs
+guest memory only when it is first touched they are slow enough to make a fresh
+engine's first requests slower than its later ones. Where the kernel lacks the
+advice (before Linux 5.14), the pages come as they are first written.
 
 Elsewhere (other devices, no ``MADV_HUGEPAGE``, tensors under one huge page)
 this is ``torch.zeros``.

@@ -8,8 +8,8 @@ of keys with vector FMAs across keys (``csrc/attention/paged_attention.cpp``); v
 token-major, the layout the weighted sum reads. Both are head-major within a
 block, so one head's K and V are each one run of memory that a decode reads
 from start to end: with V's heads interleaved row by row, reading one head's
-rows took every third 128 bytes, which the hardware prefetcher did not follow
-(decode attention from DRAM ran 1.3-1.6x slower). Block 0 is the scheduler's reserved null
+rows would take every third 128 bytes, a stride the hardware prefetcher does
+not follow. Block 0 is the scheduler's reserved null
 block: padded block-table entries point at it, so it must exist but is never read
 unmasked.
 """

@@ -20,8 +20,8 @@ from torch import nn
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight, computed in float32 like the reference models.
 
-    With ``fused_ops`` set (float32 on CPU, see ``CausalLM.use_fused_layer_ops``)
-    it runs the native kernels of ``csrc/layer_ops.cpp``.
+    With ``fused_ops`` set (the forward plan's layer_ops=native, see
+    ``CausalLM.use_fused_layer_ops``) it runs the native kernels of ``csrc/layer_ops.cpp``.
     """
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
@@ -242,19 +242,22 @@ class GatedMLP(nn.Module):
         self.fused_ops = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.activation(x))
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """act(gate(x)) * up(x), the down projection's input."""
         if self.act == "silu" and self.fused_ops:
             gate_up_proj = self.gate_up_proj
             if getattr(gate_up_proj, "has_silu_product", False):
-                return self.down_proj(cast(SiluProductLinear, gate_up_proj).silu_product(x))
+                return cast(SiluProductLinear, gate_up_proj).silu_product(x)
             gate_up = gate_up_proj(x)
             act = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
             torch.ops.tokenloom_cpu.silu_and_mul(act, gate_up)
-            return self.down_proj(act)
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return act
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         if self.act == "silu":
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+            return F.silu(gate) * up
+        return F.gelu(gate, approximate="tanh") * up
 
 
 SiluMLP = GatedMLP  # the Llama family's MLP

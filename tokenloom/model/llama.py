@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -31,13 +31,14 @@ from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.attention import AttentionMetadata, paged_attention
 from tokenloom.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 from tokenloom.model.packed_linear import PackedLinear, prepack_linears
+from tokenloom.model.recipe import Op, Recipe, Step, attention_steps
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class NativeDecoder(Protocol):
-    """Every layer of a model as one native call, for the steps it serves
-    (``quantization.decoder_stack.DecoderStack``)."""
+    """Every layer of a model as one call, for the steps it serves (the native
+    decoder stack; the forward plan decides whether a model has one)."""
 
     def serves(self, meta: AttentionMetadata) -> bool: ...
 
@@ -53,6 +54,17 @@ class NativeDecoder(Protocol):
 
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+# The steps as globals, which DecoderLayer.forward's loop reads faster than
+# enum attributes (it compares every step of every layer against them).
+_ADD_NORM, _NORM, _QKV_PROJ, _QK_NORM = Op.ADD_NORM, Op.NORM, Op.QKV_PROJ, Op.QK_NORM
+_ROPE, _ATTEND, _O_PROJ, _GATE_UP, _DOWN_PROJ = (
+    Op.ROPE,
+    Op.ATTEND,
+    Op.O_PROJ,
+    Op.GATE_UP,
+    Op.DOWN_PROJ,
+)
 
 
 class Attention(nn.Module):
@@ -78,18 +90,25 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype)
         self.fused_ops = False  # RoPE by the native kernel (see CausalLM.use_fused_layer_ops)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        plain = self.q_norm is None and self.rotary_dim == self.head_dim
-        if self.fused_ops and plain:
+    @property
+    def takes_native_kernel(self) -> bool:
+        """Whether the native attention kernel can compute this layer (no sliding
+        window, no soft-capped scores); the other layers attend through torch."""
+        return self.window is None and self.softcap is None
+
+    def norm_qk(self, qkv: torch.Tensor) -> None:
+        """Normalize each q and k head of ``qkv`` [T, q + k + v] in place."""
+        assert self.q_norm is not None and self.k_norm is not None
+        qk = qkv[:, : self.q_size + self.kv_size].view(qkv.shape[0], -1, self.head_dim)
+        qk[:, : self.num_heads] = self.q_norm(qk[:, : self.num_heads])
+        qk[:, self.num_heads :] = self.k_norm(qk[:, self.num_heads :])
+
+    def rope(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) from ``qkv``, q and k rotated."""
+        num_tokens = qkv.shape[0]
+        if self.fused_ops and self.rotary_dim == self.head_dim:
             q = qkv.new_empty(num_tokens, self.num_heads, self.head_dim)
             k = qkv.new_empty(num_tokens, self.num_kv_heads, self.head_dim)
             torch.ops.tokenloom_cpu.rotary_qk(
@@ -97,11 +116,6 @@ class Attention(nn.Module):
             )
         else:
             qk = qkv[:, : self.q_size + self.kv_size].reshape(num_tokens, -1, self.head_dim)
-            if self.q_norm is not None and self.k_norm is not None:
-                qk = torch.cat(
-                    (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])),
-                    dim=1,
-                )
             # Q and K rotate together: one RoPE call over H + Hkv heads.
             if self.rotary_dim == self.head_dim:
                 qk = apply_rope(qk, cos, sin)
@@ -111,20 +125,41 @@ class Attention(nn.Module):
             q = qk[:, : self.num_heads]
             k = qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        layer_meta = meta.for_layer(self.window, native=self.softcap is None)
-        out = paged_attention(
+        return q, k, v
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write this step's K/V into ``kv_cache``; the attention output [T, H * D]."""
+        layer_meta = meta.for_layer(self.window, native=self.takes_native_kernel)
+        return paged_attention(
             q, k, v, kv_cache[0], kv_cache[1], layer_meta, self.scale, self.softcap
         )
-        return self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):
+    """Runs its ``recipe`` (steps of ``recipe.Op``) with its modules. The native
+    decoder stack is given the same recipe, so the order of operations is written
+    there only."""
+
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.self_attn = Attention(arch, dtype, layer)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, dtype, arch.hidden_act)
+        self.recipe: Recipe = (
+            Step(Op.ADD_NORM, "input_layernorm"),
+            *attention_steps(arch.qk_norm),
+            Step(Op.ADD_NORM, "post_attention_layernorm"),
+            Step(Op.GATE_UP),
+            Step(Op.DOWN_PROJ),
+        )
 
     def forward(
         self,
@@ -135,18 +170,45 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """h: the previous layer's MLP output, not yet added to ``residual`` (the
-        residual stream; None at the first layer, where h is the embedding). Returns
-        this layer's (MLP output, residual stream), so each residual add is fused
-        with the norm that follows it."""
+        """h: the previous layer's output, not yet added to ``residual`` (the residual
+        stream; None at the first layer, where h is the embedding). Returns this
+        layer's (output, residual stream), so each residual add is fused with the
+        norm that follows it. The registers are ``recipe``'s; ``DecoderStack::forward``
+        (csrc/quantization/decoder_stack.cpp) is the same switch in C++."""
+        attn, mlp = self.self_attn, self.mlp
+        x = h
+        q = k = v = x  # until ROPE sets them
+        for op, norm in self.recipe:
+            if op is _ADD_NORM:
+                if residual is None:
+                    residual, x = x, self.norm(norm)(x)
+                else:
+                    x, residual = self.norm(norm).add_and_norm(x, residual)
+            elif op is _NORM:
+                x = self.norm(norm)(x)
+            elif op is _QKV_PROJ:
+                x = attn.qkv_proj(x)
+            elif op is _QK_NORM:
+                attn.norm_qk(x)
+            elif op is _ROPE:
+                q, k, v = attn.rope(x, cos, sin)
+            elif op is _ATTEND:
+                x = attn.attend(q, k, v, kv_cache, meta)
+            elif op is _O_PROJ:
+                x = attn.o_proj(x)
+            elif op is _GATE_UP:
+                x = mlp.activation(x)
+            elif op is _DOWN_PROJ:
+                x = mlp.down_proj(x)
+            else:
+                raise ValueError(f"unknown decoder step {op!r}")
         if residual is None:
-            residual = h
-            x = self.input_layernorm(h)
-        else:
-            x, residual = self.input_layernorm.add_and_norm(h, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, meta)
-        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
-        return self.mlp(x), residual
+            raise ValueError("a decoder recipe needs an add_norm step")
+        return x, residual
+
+    def norm(self, name: str | None) -> RMSNorm:
+        """The RMSNorm a step names."""
+        return cast(RMSNorm, getattr(self, cast(str, name)))
 
 
 class CausalLM(nn.Module):
@@ -158,7 +220,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         # An explicit (uninitialised) weight: Embedding's own normal_() init on the meta
-        # device imports torch._dynamo, 140 MB of resident memory for nothing.
+        # device imports torch._dynamo, resident memory spent for nothing.
         self.embed_tokens = nn.Embedding(
             arch.vocab_size,
             arch.hidden_size,
@@ -192,7 +254,7 @@ class CausalLM(nn.Module):
         # The packed head, or tensor parallelism's gathering one (distributed.parallel_layers).
         self.logits_head: nn.Module | None = None
         # The layers as one native call, for the steps it serves: set by the loader
-        # for quantized models it applies to (quantization.decoder_stack).
+        # where the forward plan says decoder=stack.
         self.decoder_stack: NativeDecoder | None = None
 
     def init_buffers(
@@ -206,8 +268,8 @@ class CausalLM(nn.Module):
             self.local_rotary.build_cache(device, dtype, max_positions)
 
     def prepack_weights(self) -> None:
-        """Run every matmul, the LM head included, on MKL-packed weights (CPU, float32:
-        see ``packed_linear``); the parameters stay as they are."""
+        """Run every matmul, the LM head included, on MKL-packed weights (the forward
+        plan's matmul=mkl, see ``packed_linear``); the parameters stay as they are."""
         prepack_linears(self.layers)
         self.logits_head = PackedLinear(
             self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -215,7 +277,7 @@ class CausalLM(nn.Module):
 
     def use_fused_layer_ops(self) -> None:
         """Run RMSNorm (with its residual add), SiLU-and-mul and RoPE through the
-        native CPU kernels (float32 on CPU: ``cpu_kernels.layer_ops_available``)."""
+        native CPU kernels (the forward plan's layer_ops=native)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, GatedMLP, Attention)):
                 module.fused_ops = True

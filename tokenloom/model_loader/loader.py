@@ -1,10 +1,11 @@
-"""Loading model weights.
+"""Loading model weights, and deciding how the forward pass runs over them.
 
-- ``load_model(model_config: ModelConfig) -> LoadedModel``: builds the model on
-  ``model_config.device`` in the dtype from ``resolve_dtype`` and fills every
-  parameter, raising if the checkpoint leaves one empty. Quantized models
-  (``quantization.loading.resolve_quantization``) keep their matrices quantized
-  and compute in float32.
+- ``load_model(model_config) -> LoadedModel``: builds the model on
+  ``model_config.device`` in the dtype from ``resolve_dtype``, fills every
+  parameter (raising if the checkpoint leaves one empty), then decides the
+  forward plan (``forward_plan``), logs it, and sets the model up for it.
+  Quantized models (``quantization.loading.resolve_quantization``) keep their
+  matrices quantized and compute in float32.
 
 The model is built on the meta device first so that no time goes into random
 initialisation of weights that are overwritten anyway. Finding the files
@@ -13,38 +14,53 @@ initialisation of weights that are overwritten anyway. Finding the files
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from tokenloom.config import ModelConfig
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.arch_reader import load_arch_config
 from tokenloom.model.dtype import resolve_dtype
 from tokenloom.model.gguf_loader import iter_gguf_weights
-from tokenloom.model.llama import CausalLM
+from tokenloom.model.llama import CausalLM, DecoderLayer
 from tokenloom.model.packed_linear import prepacking_available
 from tokenloom.model.paths import resolve_model_path
 from tokenloom.model.registry import model_class
 from tokenloom.model.safetensors_loader import iter_safetensors
-from tokenloom.ops.cpu_kernels import layer_ops_available
+from tokenloom.model_loader.forward_plan import ENV, ForwardPlan, PlanInputs, decide_plan
+from tokenloom.ops.cpu_kernels import (
+    NATIVE_HEAD_DIMS,
+    kernels_enabled,
+    layer_ops_available,
+    paged_attention_op,
+)
 from tokenloom.quantization.decoder_stack import DecoderStack
+from tokenloom.quantization.kernels import native_available
+from tokenloom.quantization.linear import use_native_matmul
 from tokenloom.quantization.loading import load_quantized, resolve_quantization
 
 if TYPE_CHECKING:
     from tokenloom.distributed.shard import TPShard
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class LoadedModel:
-    model: nn.Module
+    model: CausalLM
     arch: ModelArchConfig
     dtype: torch.dtype
     device: torch.device
     path: Path
+    plan: ForwardPlan
+    # The native attention kernel where the plan chose it, for ``AttentionMetadata.build``.
+    attention_op: Callable[..., None] | None = None
     quantized: bool = False  # matrices kept quantized (dtype is then what they compute in)
 
 
@@ -72,7 +88,7 @@ def load_model(
     with torch.device("meta"):
         model = model_class(arch)(local_arch, dtype)
     if quantization:
-        filled = load_quantized(cast(CausalLM, model), path, arch, quantization, device)
+        filled = load_quantized(model, path, arch, quantization, device)
     else:
         model.to_empty(device=device)
         weights = (
@@ -88,16 +104,101 @@ def load_model(
     model.init_buffers(device, dtype, model_config.max_model_len)
     model.eval()
     model.requires_grad_(False)
-    if prepacking_available(device, dtype) and not quantization:
-        model.prepack_weights()
-    if layer_ops_available(device, dtype):
-        model.use_fused_layer_ops()
-    if quantization and shard is None and isinstance(model, CausalLM):
-        model.decoder_stack = DecoderStack.for_model(model)
+
+    inputs = plan_inputs(
+        model,
+        device,
+        dtype,
+        weights=quantization or str(dtype).removeprefix("torch."),
+        quantized=bool(quantization),
+        tensor_parallel=1 if shard is None else shard.world_size,
+        lora=float_weights,
+    )
+    plan = decide_plan(inputs, os.environ.get(ENV))
+    logger.info("forward plan for %s: %s", path.name, plan.describe())
+    apply_plan(model, plan)
     if shard is not None:
         from tokenloom.distributed.parallel_layers import parallelize
 
         parallelize(model, shard, arch.vocab_size)
+    attention_op = None
+    if plan.attention == "native":
+        attention_op = paged_attention_op(device, dtype, local_arch.head_dim)
     return LoadedModel(
-        model=model, arch=arch, dtype=dtype, device=device, path=path, quantized=bool(quantization)
+        model=model,
+        arch=arch,
+        dtype=dtype,
+        device=device,
+        path=path,
+        plan=plan,
+        attention_op=attention_op,
+        quantized=bool(quantization),
     )
+
+
+def plan_inputs(
+    model: CausalLM,
+    device: torch.device,
+    dtype: torch.dtype,
+    weights: str,
+    quantized: bool,
+    tensor_parallel: int = 1,
+    lora: bool = False,
+) -> PlanInputs:
+    """What ``model`` on ``device`` in ``dtype`` and this process's kernels allow."""
+    unavailable: dict[str, str] = {}
+    native = _native_refusal(device, dtype)
+    if quantized:
+        if not native_available():
+            unavailable["matmul=native"] = native or "the native quantized kernels failed to build"
+        else:
+            refusal = DecoderStack.refusal(model)
+            if refusal is not None:
+                unavailable["decoder=stack"] = refusal
+    elif not prepacking_available(device, dtype):
+        unavailable["matmul=mkl"] = "MKL's packed sgemm serves float32 on a CPU build with MKL"
+    if native is not None:
+        unavailable["layer_ops=native"] = unavailable["attention=native"] = native
+    elif model.arch.head_dim not in NATIVE_HEAD_DIMS:
+        unavailable["attention=native"] = (
+            f"the native attention kernel has no head_dim {model.arch.head_dim} "
+            f"(it has {', '.join(map(str, NATIVE_HEAD_DIMS))})"
+        )
+    layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
+    return PlanInputs(
+        device=device.type,
+        dtype=dtype,
+        weights=weights,
+        quantized=quantized,
+        num_layers=len(layers),
+        tensor_parallel=tensor_parallel,
+        lora=lora,
+        unavailable=unavailable,
+        torch_attention_layers=tuple(
+            i for i, layer in enumerate(layers) if not layer.self_attn.takes_native_kernel
+        ),
+    )
+
+
+def _native_refusal(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the native CPU kernels cannot serve ``device`` and ``dtype`` (None: they can)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return "the native kernels compute float32 on the CPU"
+    if not kernels_enabled():
+        return "TOKENLOOM_CPU_KERNELS=0 turns the native kernels off"
+    if not layer_ops_available(device, dtype):
+        return "the native kernels failed to build or load"
+    return None
+
+
+def apply_plan(model: CausalLM, plan: ForwardPlan) -> None:
+    """Set a loaded model up to run ``plan`` (tensor parallelism aside, which wraps
+    the result: ``distributed.parallel_layers.parallelize``)."""
+    if plan.matmul == "mkl":
+        model.prepack_weights()
+    if plan.quantized:
+        use_native_matmul(model, plan.matmul == "native")
+    if plan.layer_ops == "native":
+        model.use_fused_layer_ops()
+    if plan.decoder == "stack":
+        model.decoder_stack = DecoderStack(model)

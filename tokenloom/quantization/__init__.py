@@ -1,4 +1,4 @@
-"""Weights kept quantized in memory and computed on directly (issue 13).
+"""Weights kept quantized in memory and computed on directly.
 
 ``formats``: the layouts and conversions (GGUF blocks, float weights);
 ``kernels``: the native matmul and its torch fallback; ``linear``: the modules;

@@ -1,71 +1,53 @@
-"""A quantized Llama decoder's layers as one native call per step
+"""A quantized decoder's layers as one native call per step
 (``csrc/quantization/decoder_stack.cpp``).
 
-At batch 1 most of a step was once Python and op dispatch around ~300 small
-kernel calls; the stack runs the same kernels in the same order from C++, so its
-output equals the modules' bit for bit. It serves the models whose layers are
-exactly what it runs (quantized projections without bias, full rotate-half RoPE,
-no q/k norms, sliding windows or soft-capping, SiLU MLP, native layer ops: the
-Llama, SmolLM and Mistral-without-window GGUFs) and the steps the native
-attention kernel takes whole (every request at most ``NATIVE_MAX_QUERY`` new
-tokens: decodes, speculative verification, prompt chunks up to 512 tokens);
-a step with a longer chunk runs through the modules.
+The stack is given the layers' recipe (``DecoderLayer.recipe``) by step name and
+runs it in C++ with the kernels the modules call, so its output equals theirs
+bit for bit. It computes models whose layers share one recipe of steps it
+implements, with quantized projections without bias, full rotate-half RoPE, no
+sliding windows or soft-capped scores, a SiLU MLP and one norm epsilon
+(``DecoderStack.refusal`` names what else a model has); it needs the native
+layer ops and attention kernel, and serves the steps that kernel takes whole
+(every request at most ``NATIVE_MAX_QUERY`` new tokens: decodes, speculative
+verification, short prompt chunks). Whether a model gets one is the forward
+plan's decision (``model_loader.forward_plan``); the other steps run through
+the modules.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import cast
 
 import torch
-from torch import nn
 
 from tokenloom.model.attention import AttentionMetadata
 from tokenloom.model.llama import CausalLM, DecoderLayer, KVCache
-from tokenloom.ops.cpu_kernels import layer_ops_available
+from tokenloom.model.recipe import PROJECTIONS
 from tokenloom.quantization.kernels import native_available
 from tokenloom.quantization.linear import QuantLinear
 
 
-def _projections(layer: DecoderLayer) -> tuple[nn.Module, ...]:
-    """In the order the native stack takes them."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-
-
-def _qualifies(model: CausalLM) -> bool:
-    """Whether every layer is what the native stack computes."""
-    if type(model) is not CausalLM or model.local_rotary is not None or not model.layers:
-        return False
-    for layer in model.layers:
-        if type(layer) is not DecoderLayer:
-            return False
-        attn, mlp = layer.self_attn, layer.mlp
-        if not all(type(p) is QuantLinear and p.bias is None for p in _projections(layer)):
-            return False
-        plain_attention = (
-            attn.q_norm is None
-            and attn.rotary_dim == attn.head_dim
-            and attn.window is None
-            and attn.softcap is None
-        )
-        norms = (layer.input_layernorm, layer.post_attention_layernorm, model.norm)
-        fused = attn.fused_ops and mlp.fused_ops and all(n.fused_ops for n in norms)
-        if not (plain_attention and fused and mlp.act == "silu"):
-            return False
-        if {n.eps for n in norms} != {model.norm.eps}:
-            return False
-    return True
+@functools.cache
+def implemented_steps() -> frozenset[str]:
+    """The recipe steps the native stack implements, by name."""
+    return frozenset(torch.ops.tokenloom_quant.decoder_stack_steps())
 
 
 class DecoderStack:
-    """The native stack of one model; ``for_model`` builds it where it applies."""
+    """The native stack of one model, whose layers it must compute (``refusal``)."""
 
     def __init__(self, model: CausalLM) -> None:
+        refusal = self.refusal(model)
+        if refusal is not None:
+            raise ValueError(f"the decoder stack cannot compute this model: {refusal}")
         layers = [cast(DecoderLayer, layer) for layer in model.layers]
+        recipe = layers[0].recipe
         first = layers[0].self_attn
         scale = first.scale if first.scale is not None else 1.0 / math.sqrt(first.head_dim)
         self.stack = torch.classes.tokenloom_quant.DecoderStack(
+            [step.op.value for step in recipe],
             first.num_heads,
             first.num_kv_heads,
             first.head_dim,
@@ -74,23 +56,49 @@ class DecoderStack:
             model.norm.weight,
         )
         for layer in layers:
-            self.stack.add_layer(
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight
-            )
-            for proj in _projections(layer):
-                self.stack.add_matrix(*cast(QuantLinear, proj).qweight.kernel_args())
+            self.stack.add_layer([layer.norm(step.norm).weight for step in recipe if step.norm])
+            for step in recipe:
+                if step.op in PROJECTIONS:
+                    proj = cast(QuantLinear, layer.get_submodule(PROJECTIONS[step.op]))
+                    self.stack.add_matrix(*proj.qweight.kernel_args())
 
-    @classmethod
-    def for_model(cls, model: CausalLM) -> DecoderStack | None:
-        """The stack for ``model``, or None where the modules must run (another
-        layer structure, float weights, or no native kernels)."""
-        if not (
-            layer_ops_available(torch.device("cpu"), torch.float32)
-            and native_available()
-            and _qualifies(model)
-        ):
-            return None
-        return cls(model)
+    @staticmethod
+    def refusal(model: CausalLM) -> str | None:
+        """Why the stack cannot compute ``model``'s layers, or None where it can."""
+        if not native_available():
+            return "the native quantized kernels are unavailable"
+        layers = [cast(DecoderLayer, layer) for layer in model.layers]
+        if not layers:
+            return "the model has no layers"
+        if model.local_rotary is not None:
+            return "its sliding layers have a RoPE table of their own"
+        recipe = layers[0].recipe
+        missing = [step.op.value for step in recipe if step.op.value not in implemented_steps()]
+        if missing:
+            return f"its layers have a {missing[0]!r} step, which the stack does not implement"
+        eps = {model.norm.eps}
+        for i, layer in enumerate(layers):
+            if layer.recipe != recipe:
+                return f"layer {i}'s recipe differs from layer 0's"
+            for step in recipe:
+                if step.op in PROJECTIONS:
+                    proj = layer.get_submodule(PROJECTIONS[step.op])
+                    if type(proj) is not QuantLinear:
+                        return "its projections are not quantized"
+                    if proj.bias is not None:
+                        return f"layer {i}'s {PROJECTIONS[step.op]} has a bias"
+                if step.norm:
+                    eps.add(layer.norm(step.norm).eps)
+            attn = layer.self_attn
+            if attn.rotary_dim != attn.head_dim:
+                return "it rotates part of each head only"
+            if not attn.takes_native_kernel:
+                return f"layer {i} has a sliding window or soft-capped scores"
+            if layer.mlp.act != "silu":
+                return f"its MLP's activation is {layer.mlp.act}, not silu"
+        if len(eps) > 1:
+            return "its norms differ in epsilon"
+        return None
 
     @staticmethod
     def serves(meta: AttentionMetadata) -> bool:

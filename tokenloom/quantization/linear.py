@@ -24,13 +24,16 @@ class QuantLinear(nn.Module):
         self.bias = bias
         self.in_features = weight.in_features
         self.out_features = weight.out_features
+        # The native kernel, where this process has it; else (or where the forward
+        # plan says matmul=torch: ``use_native_matmul``) dequantize per call.
+        self.native = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The decoder's 2-D float32 rows go straight to the kernel: at batch 1 a
-        # step makes ~120 of these calls, and each extra op costs microseconds.
+        # The decoder's 2-D float32 rows go straight to the kernel, with no op
+        # around it: this runs for every projection of every layer each step.
         if x.dim() != 2:
             return self(x.reshape(-1, self.in_features)).view(*x.shape[:-1], -1)
-        out = quant_matmul(x if x.dtype == torch.float32 else x.float(), self.qweight)
+        out = quant_matmul(x if x.dtype == torch.float32 else x.float(), self.qweight, self.native)
         if self.bias is not None:
             out += self.bias
         return out
@@ -39,7 +42,12 @@ class QuantLinear(nn.Module):
     def has_silu_product(self) -> bool:
         """Whether ``silu_product`` runs: the native kernel, no bias, and each half
         of the output whole panels (as the decoder stack's ``has_silu_product``)."""
-        return self.bias is None and self.out_features % (2 * PANEL) == 0 and native_available()
+        return (
+            self.native
+            and self.bias is None
+            and self.out_features % (2 * PANEL) == 0
+            and native_available()
+        )
 
     def silu_product(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(y[:, :N / 2]) * y[:, N / 2:]`` of ``y = self(x)`` (2-D ``x``), a
@@ -61,6 +69,14 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         return self.qweight.dequantize(flat).view(*ids.shape, -1)
+
+
+def use_native_matmul(module: nn.Module, native: bool) -> None:
+    """Whether every ``QuantLinear`` under ``module`` computes through the native
+    kernel (where this process has it) or dequantizes per call."""
+    for child in module.modules():
+        if isinstance(child, QuantLinear):
+            child.native = native
 
 
 def quantized_weight_bytes(module: nn.Module) -> int:

@@ -8,11 +8,11 @@ allocated, so the float weights never exist in full; norms and biases load as
 usual through ``model.load_weights``. The rest of the model computes in float32.
 
 Memory: a GGUF matrix is repacked a slice of rows at a time into its final
-buffers (``_repack``), so the load's temporaries stay at one slice's (unpacking a
-whole Q6_K [128256, 4096] head took 3 GB on top of the weights), fused
-projections are concatenated as soon as their parts are in (not all at the end,
-which held every fused matrix twice), and the reader hands each tensor's pages
-back once it is repacked (``gguf_loader.iter_gguf_tensors``).
+buffers (``_repack``), so the load's temporaries stay at one slice's, not a whole
+unpacked matrix's (gigabytes for a large model's head); fused projections are
+concatenated as soon as their parts are in (not all at the end, which would hold
+every fused matrix twice), and the reader hands each tensor's pages back once it
+is repacked (``gguf_loader.iter_gguf_tensors``).
 """
 
 from __future__ import annotations

@@ -26,16 +26,13 @@ from tokenloom.quantization.formats import GroupFactors, QuantizedWeight, held_t
 PANEL = 16  # output rows per panel
 _WORD = 4  # bytes of a row per word
 
-# The MLP's input projection reads an RMSNorm's output: every token's row is
-# scaled to one RMS, so its columns differ only by the norm's weights, and 16
-# columns per scale cost it little. q and k read one too, but their errors pass
-# through the attention's softmax; o reads the attention's output. Teacher-
-# forced over 3 texts of 4,096 tokens (benchmarks/quant_agreement.py), the
-# default model's argmax agreed with float32's at 98.1/98.6/97.9% per 8
-# everywhere, 97.9/98.4/97.6% with gate_up per 16 (a 2,048-row gate_up 1.12x
-# faster), and, rounding x * (127 / max|x|), 98.14/98.29/97.49% with it and
-# 97.56/98.14/97.44% with down too (down 1.12-1.14x faster, about 2% of a main
-# workload run). With qkv or o per 16 the worst text fell to 97.2-97.3%.
+# A scale per 16 activation columns is the faster kernel, per 8 the closer one
+# to float32. The MLP's input projection reads an RMSNorm's output: every
+# token's row is scaled to one RMS, so its columns differ only by the norm's
+# weights, and 16 columns per scale cost it little; the down projection's input
+# tolerates it as well. q and k read a norm's output too, but their errors pass
+# through the attention's softmax, and o reads the attention's output: those
+# keep 8, where 16 moved the model's argmax measurably further from float32's.
 _MATRICES_PER_16 = ("gate_up_proj", "down_proj")
 
 

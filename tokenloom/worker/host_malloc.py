@@ -3,9 +3,8 @@
 A forward pass allocates and frees the same large activation tensors every
 step. With glibc's defaults each one above the (adaptive, at most 32 MiB) mmap
 threshold is a fresh ``mmap`` whose pages the kernel must fault in and zero, and
-freed heap tops are trimmed back with ``sbrk``; on the default model that kernel
-work took as much CPU time as the model itself (sys 55 s vs user 76 s on the
-shared-prefix benchmark, and twice the wall time). Raising the thresholds keeps
+freed heap tops are trimmed back with ``sbrk``: on a small model that kernel
+work costs as much CPU time as the model itself. Raising the thresholds keeps
 freed memory in the heap for the next step, as a caching allocator does on GPU.
 
 Loading is the opposite case: its temporaries (a GGUF tensor's unpacked codes,

@@ -15,7 +15,7 @@ proposes the next drafts, which the engine core collects with
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import numpy as np
 import psutil
@@ -27,10 +27,9 @@ from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.attention import AttentionMetadata
 from tokenloom.model.dtype import resolve_kv_cache_dtype
 from tokenloom.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
-from tokenloom.model.llama import CausalLM
 from tokenloom.model.lora import LoRAManager
 from tokenloom.model_loader.loader import load_model
-from tokenloom.ops.cpu_kernels import bind_threads_to_cores, paged_attention_op
+from tokenloom.ops.cpu_kernels import bind_threads_to_cores
 from tokenloom.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenloom.structured_output.manager import GrammarOutput
 from tokenloom.worker.grammar_bitmask import apply_grammar_bitmask
@@ -52,7 +51,8 @@ if TYPE_CHECKING:
 
 
 class ModelRunner:
-    """Public attributes: ``model``, ``arch``, ``dtype``, ``kv_cache_dtype``, ``device``,
+    """Public attributes: ``model``, ``forward_plan`` (what runs the forward pass:
+    ``model_loader.forward_plan``), ``arch``, ``dtype``, ``kv_cache_dtype``, ``device``,
     ``max_model_len``,
     ``num_blocks`` (including the reserved null block 0), ``kv_caches``, ``input_batch``,
     ``eos_token_ids``.
@@ -86,7 +86,8 @@ class ModelRunner:
             bind_threads_to_cores()
 
         loaded = load_model(model_config, shard, float_weights=lora_config is not None)
-        self.model = cast(CausalLM, loaded.model)
+        self.model = loaded.model
+        self.forward_plan = loaded.plan
         self.arch = loaded.arch
         self.dtype = loaded.dtype
         self.device = loaded.device
@@ -131,7 +132,7 @@ class ModelRunner:
             vocab_size=self.arch.vocab_size,
             device=self.device,
         )
-        self.native_attention = paged_attention_op(self.device, self.dtype, self.arch.head_dim)
+        self.native_attention = loaded.attention_op
         self.sampler = Sampler(generator)
         self.eos_token_ids = tuple(self.arch.eos_token_ids)
         # The EOS id the engine gives its requests (for hand-built NewRequestData).

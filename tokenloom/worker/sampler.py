@@ -79,8 +79,8 @@ class Sampler:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first of ties, NaN above all, as ``torch.argmax``).
-    On CPU through numpy: torch's CPU argmax over a 49k vocabulary took 117 us for
-    one row and 6.6 ms for 64, numpy's 25 us and 0.84 ms."""
+    On CPU through numpy, whose argmax over a vocabulary's row is several times
+    faster than torch's CPU argmax."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32:
         return logits.argmax(dim=-1)
     return torch.from_numpy(logits.numpy().argmax(axis=-1))

@@ -30,7 +30,6 @@ hand that distribution to the verifier for rejection sampling.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
 
 import numpy as np
 import torch
@@ -38,9 +37,7 @@ import torch
 from tokenloom.config import ModelConfig, SpeculativeConfig
 from tokenloom.model.attention import AttentionMetadata
 from tokenloom.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
-from tokenloom.model.llama import CausalLM
 from tokenloom.model_loader.loader import load_model
-from tokenloom.ops.cpu_kernels import paged_attention_op
 from tokenloom.worker.input_batch import InputBatch
 from tokenloom.worker.sampler import draw_uniform, greedy_tokens
 from tokenloom.worker.spec_decode.target_probs import shaped_probs
@@ -89,7 +86,7 @@ class DraftModelProposer:
                 f"speculative_config.model handles {arch.max_position_embeddings} positions, "
                 f"fewer than max_model_len ({max_model_len}); lower max_model_len"
             )
-        self.model = cast(CausalLM, loaded.model)
+        self.model = loaded.model
         self.arch = arch
         self.device = loaded.device
         self.k = config.num_speculative_tokens
@@ -101,7 +98,8 @@ class DraftModelProposer:
         # Allocated by ``allocate_kv_cache`` once the target's block count is known.
         self.num_target_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.native_attention = paged_attention_op(self.device, loaded.dtype, arch.head_dim)
+        self.forward_plan = loaded.plan
+        self.native_attention = loaded.attention_op
         self.generator = generator
 
     @property

@@ -1,0 +1,185 @@
+"""The forward plan's decisions, from what the model, device and build allow: no
+model, no kernels, only ``decide_plan``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tokenloom.model_loader.forward_plan import ENV, PlanInputs, decide_plan
+
+QUANTIZED = PlanInputs(
+    device="cpu", dtype=torch.float32, weights="gguf", quantized=True, num_layers=30
+)
+FLOAT32 = replace(QUANTIZED, weights="float32", quantized=False)
+NO_NATIVE = {
+    "layer_ops=native": "the native kernels compute float32 on the CPU",
+    "attention=native": "the native kernels compute float32 on the CPU",
+    "matmul=mkl": "MKL's packed sgemm serves float32 on a CPU build with MKL",
+}
+
+
+def parts(inputs: PlanInputs, override: str | None = None) -> tuple[str, str, str, str]:
+    plan = decide_plan(inputs, override)
+    return plan.matmul, plan.layer_ops, plan.attention, plan.decoder
+
+
+def test_quantized_weights_take_every_native_path() -> None:
+    plan = decide_plan(QUANTIZED)
+    assert parts(QUANTIZED) == ("native", "native", "native", "stack")
+    assert plan.fallbacks == () and plan.overridden == ()
+    assert plan.describe() == (
+        "cpu float32, weights=gguf, matmul=native, layer_ops=native, "
+        "decoder=stack (steps of chunks up to 512 tokens; longer: modules), "
+        "attention=native (torch SDPA for chunks over 512 tokens), tensor_parallel=1"
+    )
+
+
+def test_float32_weights_run_prepacked_through_the_modules() -> None:
+    plan = decide_plan(FLOAT32)
+    assert parts(FLOAT32) == ("mkl", "native", "native", "modules")
+    assert plan.fallbacks == ("decoder=stack: the decoder stack runs quantized weights only",)
+    assert plan.describe().endswith(
+        "; not decoder=stack: the decoder stack runs quantized weights only"
+    )
+
+
+@pytest.mark.parametrize(
+    ("inputs", "expected"),
+    [
+        (
+            replace(FLOAT32, dtype=torch.bfloat16, weights="bfloat16", unavailable=NO_NATIVE),
+            ("torch", "torch", "torch", "modules"),
+        ),
+        (
+            replace(FLOAT32, device="cuda", weights="bfloat16", unavailable=NO_NATIVE),
+            ("torch", "torch", "torch", "modules"),
+        ),
+        (replace(FLOAT32, tensor_parallel=2), ("mkl", "native", "native", "modules")),
+    ],
+)
+def test_other_devices_and_dtypes_take_the_torch_paths(
+    inputs: PlanInputs, expected: tuple[str, ...]
+) -> None:
+    assert parts(inputs) == expected
+    assert decide_plan(inputs).tensor_parallel == inputs.tensor_parallel
+
+
+@pytest.mark.parametrize(
+    ("change", "expected", "reason"),
+    [
+        (
+            {
+                "unavailable": {
+                    "matmul=native": "TOKENLOOM_CPU_KERNELS=0 turns the native kernels off"
+                }
+            },
+            ("torch", "native", "native", "modules"),
+            "decoder=stack: the decoder stack needs matmul=native",
+        ),
+        (
+            {"unavailable": {"attention=native": "the native attention kernel has no head_dim 48"}},
+            ("native", "native", "torch", "modules"),
+            "attention=native: the native attention kernel has no head_dim 48",
+        ),
+        (
+            {
+                "unavailable": {
+                    "decoder=stack": "layer 0 has a sliding window or soft-capped scores"
+                }
+            },
+            ("native", "native", "native", "modules"),
+            "decoder=stack: layer 0 has a sliding window or soft-capped scores",
+        ),
+        (
+            {"tensor_parallel": 2},
+            ("native", "native", "native", "modules"),
+            "decoder=stack: tensor-parallel ranks exchange partial sums inside each layer",
+        ),
+        (
+            {"lora": True},
+            ("native", "native", "native", "modules"),
+            "decoder=stack: LoRA adds its updates to the modules' projections",
+        ),
+    ],
+)
+def test_a_part_that_cannot_run_falls_back_and_says_why(
+    change: dict, expected: tuple[str, ...], reason: str
+) -> None:
+    inputs = replace(QUANTIZED, **change)
+    assert parts(inputs) == expected
+    assert reason in decide_plan(inputs).fallbacks
+
+
+def test_the_override_picks_the_paths_it_names() -> None:
+    plan = decide_plan(QUANTIZED, " decoder=modules , attention=torch ")
+    assert parts(QUANTIZED, "decoder=modules,attention=torch") == (
+        "native",
+        "native",
+        "torch",
+        "modules",
+    )
+    assert plan.overridden == ("decoder=modules", "attention=torch")
+    assert plan.fallbacks == ()
+    assert f"set by {ENV}: decoder=modules, attention=torch" in plan.describe()
+    # A part the stack needs, turned off: the stack falls back, saying why.
+    plan = decide_plan(QUANTIZED, "layer_ops=torch")
+    assert parts(QUANTIZED, "layer_ops=torch") == ("native", "torch", "native", "modules")
+    assert plan.fallbacks == ("decoder=stack: the decoder stack needs layer_ops=native",)
+    assert parts(FLOAT32, "matmul=torch") == ("torch", "native", "native", "modules")
+    assert parts(QUANTIZED, "") == parts(QUANTIZED)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "override", "message"),
+    [
+        (
+            FLOAT32,
+            "decoder=stack",
+            "decoder=stack cannot run here: the decoder stack runs quantized weights only",
+        ),
+        (
+            QUANTIZED,
+            "layer_ops=torch,decoder=stack",
+            "decoder=stack cannot run here: the decoder stack needs layer_ops=native",
+        ),
+        (
+            replace(FLOAT32, unavailable=NO_NATIVE),
+            "attention=native",
+            "attention=native cannot run here: the native kernels compute float32 on the CPU",
+        ),
+        (
+            QUANTIZED,
+            "matmul=mkl",
+            "matmul must be one of native, torch for gguf weights; got 'mkl'",
+        ),
+        (FLOAT32, "decoder=graphs", "decoder must be one of stack, modules for float32 weights"),
+        (
+            QUANTIZED,
+            "kernels=fast",
+            "unknown part 'kernels'; the parts are matmul, layer_ops, attention, decoder",
+        ),
+        (QUANTIZED, "decoder", "expected part=choice, got 'decoder'"),
+        (QUANTIZED, "decoder=", "expected part=choice, got 'decoder='"),
+        (QUANTIZED, "decoder=modules,decoder=stack", "decoder is given twice"),
+    ],
+)
+def test_an_override_that_cannot_be_followed_is_refused(
+    inputs: PlanInputs, override: str, message: str
+) -> None:
+    with pytest.raises(ValueError, match=f"^{ENV}: ") as error:
+        decide_plan(inputs, override)
+    assert message in str(error.value)
+
+
+def test_the_layers_the_attention_kernel_cannot_compute_are_named() -> None:
+    sliding = replace(QUANTIZED, num_layers=8, torch_attention_layers=(0, 1, 2, 5, 7))
+    assert (
+        "torch SDPA for chunks over 512 tokens and layers 0-2, 5, 7)"
+        in decide_plan(sliding).describe()
+    )
+    capped = replace(sliding, torch_attention_layers=tuple(range(8)))
+    assert "and every layer)" in decide_plan(capped).describe()
+    assert "torch SDPA" not in decide_plan(capped, "attention=torch").describe()

@@ -1,0 +1,107 @@
+"""``load_model`` decides the forward plan from the model it loaded, logs it and
+sets the model up for it; ``TOKENLOOM_FORWARD_PLAN`` changes what runs."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as T
+
+from tests.model.harness import BlockAllocator, Seq, run_step
+from tests.quantization.blocks import write_tiny_gguf
+from tokenloom.config import ModelConfig
+from tokenloom.model.kv_cache import allocate_kv_caches
+from tokenloom.model.layers import GatedMLP, RMSNorm
+from tokenloom.model.packed_linear import PackedLinear
+from tokenloom.model_loader.forward_plan import ENV
+from tokenloom.model_loader.loader import LoadedModel, load_model
+from tokenloom.quantization.decoder_stack import DecoderStack
+from tokenloom.quantization.linear import QuantLinear
+
+MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("plan") / "tiny.gguf"
+    write_tiny_gguf(path, {"token_embd": T.Q8_0, **dict.fromkeys(MATRICES, T.Q4_K)})
+    return path
+
+
+def choices(loaded: LoadedModel) -> tuple[str, str, str, str]:
+    plan = loaded.plan
+    return plan.matmul, plan.layer_ops, plan.attention, plan.decoder
+
+
+def fused(loaded: LoadedModel) -> set[bool]:
+    """Whether the modules run the native layer ops, as a set over all of them."""
+    return {m.fused_ops for m in loaded.model.modules() if isinstance(m, (RMSNorm, GatedMLP))}
+
+
+def one_step(loaded: LoadedModel) -> torch.Tensor:
+    """Logits of a 9-token prompt and a decode after it, as the runner would run them."""
+    caches = allocate_kv_caches(loaded.arch, 4, 16, torch.float32, loaded.device)
+    allocator = BlockAllocator(16)
+    seq = Seq(list(range(100, 110)))
+    first = run_step(loaded.model, caches, allocator, [(seq, 9)], loaded.attention_op)
+    second = run_step(loaded.model, caches, allocator, [(seq, 1)], loaded.attention_op)
+    return torch.cat(first + second)
+
+
+def test_the_plan_is_logged_and_the_model_set_up_for_it(
+    tiny_gguf: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="tokenloom.model_loader.loader"):
+        loaded = load_model(ModelConfig(model=str(tiny_gguf)))
+    assert choices(loaded) == ("native", "native", "native", "stack")
+    assert f"forward plan for tiny.gguf: {loaded.plan.describe()}" in caplog.messages
+    assert isinstance(loaded.model.decoder_stack, DecoderStack)
+    assert loaded.attention_op is not None
+    assert fused(loaded) == {True}
+    assert all(m.native for m in loaded.model.modules() if isinstance(m, QuantLinear))
+
+
+def test_the_override_turns_each_native_path_off(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    native = load_model(ModelConfig(model=str(tiny_gguf)))
+    monkeypatch.setenv(ENV, "matmul=torch,layer_ops=torch,attention=torch,decoder=modules")
+    loaded = load_model(ModelConfig(model=str(tiny_gguf)))
+    assert choices(loaded) == ("torch", "torch", "torch", "modules")
+    assert loaded.model.decoder_stack is None and loaded.attention_op is None
+    assert fused(loaded) == {False}
+    assert not any(m.native for m in loaded.model.modules() if isinstance(m, QuantLinear))
+    # The same model through other kernels: the torch matmul multiplies float
+    # activations where the native one rounds them to int8.
+    torch.testing.assert_close(one_step(loaded), one_step(native), rtol=0.05, atol=0.05)
+
+
+def test_float_weights_are_prepacked_and_run_through_the_modules(tiny_gguf: Path) -> None:
+    loaded = load_model(ModelConfig(model=str(tiny_gguf), dtype="float32"))
+    plan = loaded.plan
+    assert (plan.weights, plan.matmul, plan.decoder) == ("float32", "mkl", "modules")
+    assert isinstance(loaded.model.logits_head, PackedLinear)
+    assert isinstance(loaded.model.layers[0].self_attn.qkv_proj, PackedLinear)
+    assert loaded.model.decoder_stack is None
+
+
+def test_kernels_turned_off_leave_the_torch_paths(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOKENLOOM_CPU_KERNELS", "0")
+    plan = load_model(ModelConfig(model=str(tiny_gguf), dtype="float32")).plan
+    assert (plan.layer_ops, plan.attention) == ("torch", "torch")
+    assert "layer_ops=native: TOKENLOOM_CPU_KERNELS=0 turns the native kernels off" in (
+        plan.fallbacks
+    )
+
+
+def test_an_override_that_cannot_run_stops_the_load(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV, "decoder=stack")
+    with pytest.raises(ValueError, match=f"{ENV}: decoder=stack cannot run here"):
+        load_model(ModelConfig(model=str(tiny_gguf), dtype="float32"))
