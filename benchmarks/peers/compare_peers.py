@@ -287,6 +287,12 @@ def run_engines(
         if args.quantization:
             cmd += ["--quantization", args.quantization]
         jobs.append(("tokenloom", "tokenloom", cmd, env))
+        if args.tokenloom_base is not None:
+            # The same worker of another checkout, its own tokenloom first on the path.
+            base = args.tokenloom_base.resolve()
+            base_cmd = [py, str(base / "benchmarks" / "peers" / "worker_tokenloom.py"), *cmd[2:]]
+            base_env = {**env, "PYTHONPATH": str(base)}
+            jobs.append(("tokenloom-base", "tokenloom-base", base_cmd, base_env))
 
     if "vllm" in engines:
         vpy = Path(args.vllm_python)
@@ -668,6 +674,14 @@ def main() -> None:
     ap.add_argument("--hf-model", type=Path, default=ROOT / ".bench" / "smollm2-hf")
     ap.add_argument("--hf-batch-sizes", default="16,64,128")
     ap.add_argument("--tokenloom-model", default=None, help="default: the bundled GGUF")
+    ap.add_argument(
+        "--tokenloom-base",
+        type=Path,
+        default=None,
+        help="another checkout of tokenloom (a git worktree of an earlier commit), run as "
+        "engine 'tokenloom-base' with the same settings, in the same rounds: before and "
+        "after a change in one run",
+    )
     ap.add_argument("--vllm-python", default=str(ROOT / ".bench" / "vllm" / "bin" / "python"))
     ap.add_argument("--vllm-kv-space", type=int, default=4, help="GiB")
     ap.add_argument(
