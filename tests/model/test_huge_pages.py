@@ -57,6 +57,26 @@ def test_large_tensors_are_resident_before_their_first_write() -> None:
     assert unit == "kB" and int(rss_kb) >= 16 << 10
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="smaps is Linux's")
+def test_background_population_makes_pages_resident_and_keeps_contents(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(huge_pages, "_populator", None)
+    monkeypatch.setattr(huge_pages, "_pending", [])
+    huge_pages.populate_in_background()
+    tensors = [huge_pages.zeros((4 << 20,), torch.float32, "cpu") for _ in range(4)]  # 16 MB
+    tensors[0][-1] = 7.0  # a write that may come before the thread reaches the page
+    assert len(huge_pages._pending) == 4  # the thread's work, not the caller's
+    huge_pages.wait_populated()
+    assert not huge_pages._pending
+    for t in tensors:
+        rss_kb, unit = mapping_field(t.data_ptr(), "Rss")
+        assert unit == "kB" and int(rss_kb) >= 16 << 10
+    assert tensors[0].sum().item() == 7.0 and not tensors[1].any()
+    assert huge_pages._populator is not None
+    huge_pages._populator.shutdown()
+
+
 def test_tensors_under_one_huge_page_are_left_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     # Not read off smaps: the heap a small malloc lands in may itself have been
     # advised by the allocator, so only "no mapping of our own" is this module's.

@@ -69,7 +69,10 @@ def run_engine_core(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     try:
         from tokenloom.engine.core import EngineCore
+        from tokenloom.model import huge_pages
 
+        # Healthy as soon as the weights are in; the KV cache's pages follow.
+        huge_pages.populate_in_background()
         core = EngineCore.from_config(model_config, cache_config, scheduler_config, lora_config)
     except BaseException as exc:
         message = f"engine core failed to start: {type(exc).__name__}: {exc}"

@@ -8,12 +8,18 @@ where only memory that asks for huge pages gets them, so the KV cache asks:
 an anonymous private mapping advised ``MADV_HUGEPAGE``, which the kernel hands
 out zeroed.
 
-The pages are then faulted in at once (``MADV_POPULATE_WRITE``), as allocating
-a cache with ``torch.zeros`` would: left to the first write of each block, the
-faults would fall in the first requests' steps, and on a VM whose host backs
-guest memory only when it is first touched they are slow enough to make a fresh
-engine's first requests slower than its later ones. Where the kernel lacks the
-advice (before Linux 5.14), the pages come as they are first written.
+The pages are then faulted in (``MADV_POPULATE_WRITE``), as allocating a cache
+with ``torch.zeros`` would: left to the first write of each block, the faults
+would fall in the first requests' steps, and on a VM whose host backs guest
+memory only when it is first touched they are slow enough to make a fresh
+engine's first requests slower than its later ones. By default ``zeros``
+returns once they are in. A server's engine core calls
+``populate_in_background()`` first: it then answers health checks while a
+thread faults the pages in (seconds for GBs), and any page a step writes
+before that thread reaches it is faulted in by the write, as it would be
+without the advice. Faulting in never changes the memory's contents, so the
+two may meet. Where the kernel lacks the advice (before Linux 5.14), the pages
+come as they are first written.
 
 Elsewhere (other devices, no ``MADV_HUGEPAGE``, tensors under one huge page)
 this is ``torch.zeros``.
@@ -26,11 +32,29 @@ import functools
 import math
 import mmap
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 HUGE_PAGE_BYTES = 2 << 20
 MADV_POPULATE_WRITE = 23  # Linux 5.14; Python's mmap module names it from 3.12 on
+
+# Set by populate_in_background(): the thread that faults pages in, and its work.
+_populator: ThreadPoolExecutor | None = None
+_pending: list[Future[None]] = []
+
+
+def populate_in_background() -> None:
+    """From now on ``zeros`` returns before its pages are faulted in; a thread does it."""
+    global _populator
+    if _populator is None:
+        _populator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-populate")
+
+
+def wait_populated() -> None:
+    """Return once every page ``zeros`` handed out so far is faulted in."""
+    while _pending:
+        _pending.pop().result()
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
@@ -45,7 +69,10 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
         return torch.zeros(shape, dtype=dtype, device=device)
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     memory.madvise(mmap.MADV_HUGEPAGE)
-    _populate(memory, nbytes)
+    if _populator is None:
+        _populate(memory, nbytes)
+    else:
+        _pending.append(_populator.submit(_populate, memory, nbytes))
     # The tensor holds a reference to the mapping, which lives as long as it does.
     return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
 
