@@ -92,6 +92,7 @@ class EngineSetup:
             lora_config=self.config.lora_config,
             arch=self.arch,
             validate_constraints_in_subprocess=validate_constraints_in_subprocess,
+            reasoning_parser=frontend.reasoning_parser,
         )
         stat_loggers: list[StatLogger] = [LoggingStatLogger()] if frontend.log_stats else []
         return FrontEnd(tokenizer, input_processor, OutputProcessor(tokenizer), stat_loggers)
