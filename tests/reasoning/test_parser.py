@@ -94,7 +94,11 @@ def test_thinking_and_answer_come_apart(
     assert _split(QWEN3, text, StartPhase.ANSWER) == ("", text)
 
 
-@given(text=st.lists(st.sampled_from(["<think>", "</think>", "<th", "</", "a", " ", "\n"])).map("".join))
+@given(
+    text=st.lists(st.sampled_from(["<think>", "</think>", "<th", "</", "a", " ", "\n"])).map(
+        "".join
+    )
+)
 @settings(max_examples=300, deadline=None)
 def test_no_text_breaks_prefix_stability(text: str) -> None:
     for phase in StartPhase:

@@ -464,10 +464,12 @@ class ChatChoiceLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    """The reply; ``tool_calls`` is left out when there are none, as OpenAI does."""
+    """The reply; ``tool_calls`` is left out when there are none, as OpenAI does, and
+    ``reasoning_content`` (a reasoning model's thinking, vLLM's field) likewise."""
 
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = Field(default=None, exclude_if=_is_none)
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
@@ -493,6 +495,7 @@ class DeltaMessage(BaseModel):
 
     role: str | None = Field(default=None, exclude_if=_is_none)
     content: str | None = Field(default=None, exclude_if=_is_none)
+    reasoning_content: str | None = Field(default=None, exclude_if=_is_none)
     tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 

@@ -92,6 +92,8 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     trust_request_chat_template: bool = False,
     tool_call_parser: str | None = DEFAULT_TOOL_CALL_PARSER,
+    enable_auto_tool_choice: bool = False,
+    reasoning_parser: str | None = None,
     registry: CollectorRegistry | None = None,
     enable_lora: bool = False,
 ) -> FastAPI:
@@ -102,14 +104,21 @@ def build_app(
     ``PrometheusStatLogger`` writing to it joins ``engine.stat_loggers``;
     pass a registry only if such a logger is already attached. ``enable_lora``
     (the engine must have it too) adds the LoRA adapter endpoints.
-    ``tool_call_parser`` extracts calls for ``tool_choice: "auto"`` (None:
-    calls stay in the content).
+    ``tool_call_parser`` extracts calls for ``tool_choice: "auto"``, which
+    needs ``enable_auto_tool_choice``. ``reasoning_parser`` (the engine's)
+    splits a reasoning model's thinking from its answer.
     """
     model_name = served_model_name or engine.model_name
     adapters = LoRAAdapters(engine, (model_name, engine.model_name)) if enable_lora else None
     serving = OpenAIServing(engine, model_name, max_waiting_requests, adapters)
     completions = OpenAIServingCompletion(serving)
-    chat = OpenAIServingChat(serving, trust_request_chat_template, tool_call_parser)
+    chat = OpenAIServingChat(
+        serving,
+        trust_request_chat_template,
+        tool_call_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        reasoning_parser=reasoning_parser,
+    )
     if registry is None:
         registry = CollectorRegistry()
         engine.stat_loggers.append(
@@ -128,7 +137,11 @@ def build_app(
     )
     install_openapi(
         app,
-        [CompletionRequest, ChatCompletionRequest, *lora_bodies],
+        [
+            CompletionRequest,
+            ChatCompletionRequest,
+            *lora_bodies,
+        ],
         [CompletionChunk, ChatCompletionChunk],
         None if enable_lora else sorted({model_name, engine.model_name}),
     )
@@ -294,6 +307,8 @@ async def _serve(
             trust_request_chat_template=server_args.trust_request_chat_template,
             enable_lora=engine_args.config.frontend_config.enable_lora,
             tool_call_parser=server_args.tool_call_parser,
+            enable_auto_tool_choice=server_args.enable_auto_tool_choice,
+            reasoning_parser=engine_args.config.frontend_config.reasoning_parser,
         )
         adapters = app.state.serving.adapters
         for name, path in lora_modules:
