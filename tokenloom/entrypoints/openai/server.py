@@ -52,6 +52,15 @@ from .serving_base import (
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 from .serving_lora import LoRAAdapters
+from .serving_tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    OpenAIServingTokenization,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    parse_tokenize_body,
+)
 from .tool_parsers import DEFAULT_TOOL_CALL_PARSER
 
 if TYPE_CHECKING:
@@ -119,6 +128,7 @@ def build_app(
         enable_auto_tool_choice=enable_auto_tool_choice,
         reasoning_parser=reasoning_parser,
     )
+    tokenization = OpenAIServingTokenization(serving, chat)
     if registry is None:
         registry = CollectorRegistry()
         engine.stat_loggers.append(
@@ -140,6 +150,9 @@ def build_app(
         [
             CompletionRequest,
             ChatCompletionRequest,
+            TokenizeCompletionRequest,
+            TokenizeChatRequest,
+            DetokenizeRequest,
             *lora_bodies,
         ],
         [CompletionChunk, ChatCompletionChunk],
@@ -163,6 +176,24 @@ def build_app(
     async def create_chat_completion(raw_request: Request) -> Response:
         request = await parse_body(raw_request, ChatCompletionRequest, max_request_bytes)
         return await chat.create(request, raw_request)
+
+    @app.post(
+        "/tokenize",
+        openapi_extra=json_body(TokenizeCompletionRequest, TokenizeChatRequest),
+        responses={200: {"model": TokenizeResponse}, **ERROR_RESPONSES},
+    )
+    async def tokenize(raw_request: Request) -> Response:
+        request = await parse_tokenize_body(raw_request, max_request_bytes)
+        return JSONResponse((await tokenization.tokenize(request)).model_dump())
+
+    @app.post(
+        "/detokenize",
+        openapi_extra=json_body(DetokenizeRequest),
+        responses={200: {"model": DetokenizeResponse}, **ERROR_RESPONSES},
+    )
+    async def detokenize(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, DetokenizeRequest, max_request_bytes)
+        return JSONResponse((await tokenization.detokenize(request)).model_dump())
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> dict[str, Any]:
