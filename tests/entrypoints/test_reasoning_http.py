@@ -19,6 +19,7 @@ from tokenloom.entrypoints.openai.server import build_app
 
 from .fake_engine import FakeAsyncLLM
 from .reply_utils import reply_whole_and_streamed
+from .test_structured_outputs_http import WEATHER
 
 QWEN3_TEMPLATE = (
     "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
@@ -30,17 +31,6 @@ R1_TEMPLATE = (
     "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:<think>\n{% endif %}"
 )
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
 CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 

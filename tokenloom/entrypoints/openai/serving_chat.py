@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from tokenloom.engine.exceptions import EngineDeadError
-from tokenloom.engine.protocol import ChatOptions, RenderedChat
+from tokenloom.engine.protocol import RenderedChat
 from tokenloom.outputs import CompletionOutput, RequestOutput
 from tokenloom.reasoning import StartPhase, get_reasoning_parser
 
@@ -30,7 +29,7 @@ from .protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
+    ChatRenderFields,
     ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
@@ -64,16 +63,6 @@ from .tools import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-class ChatTemplateRequest(Protocol):
-    """What rendering a conversation needs from a request (chat completions, /tokenize)."""
-
-    messages: list[ChatMessage]
-    chat_template: str | None
-    chat_template_kwargs: dict[str, Any] | None
-
-    def chat_options(self) -> ChatOptions: ...
 
 
 # What a render_chat ValueError may name (its message starts with the field).
@@ -145,7 +134,7 @@ class OpenAIServingChat:
             phase = self.reasoning.prompt_phase(self.serving.tokenizer, prompt_ids)
         return ReplyParser(self.reasoning, phase, tools, checker)
 
-    async def render(self, request: ChatTemplateRequest) -> RenderedChat:
+    async def render(self, request: ChatRenderFields) -> RenderedChat:
         """The conversation through the chat template (rendered off the event loop by the engine)."""
         if not self.trust_request_chat_template:
             if request.chat_template is not None:

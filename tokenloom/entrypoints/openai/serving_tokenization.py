@@ -11,19 +11,14 @@ turns ``tokens`` back into text. Tokenizing runs off the event loop.
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
-
-from tokenloom.engine.protocol import ChatOptions
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
 from .body import decode_body
 from .errors import OpenAIError, from_validation_error
-from .protocol import ChatMessage
+from .protocol import ChatRenderFields
 from .serving_base import OpenAIServing, off_loop, read_body
 from .serving_chat import OpenAIServingChat
-from .tools import ChatCompletionToolsParam
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -37,29 +32,14 @@ class TokenizeCompletionRequest(BaseModel):
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(ChatRenderFields):
     """Tokenize a conversation as a chat completion request would render it."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ChatCompletionToolsParam] | None = None
-
-    def chat_options(self) -> ChatOptions:
-        return ChatOptions(
-            add_generation_prompt=self.add_generation_prompt,
-            continue_final_message=self.continue_final_message,
-            chat_template=self.chat_template,
-            chat_template_kwargs=dict(self.chat_template_kwargs or {}),
-            tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
-        )
 
 
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest

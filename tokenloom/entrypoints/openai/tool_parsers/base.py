@@ -75,37 +75,48 @@ def scan_json_value(text: str, start: int) -> tuple[int, bool]:
     n = len(text)
     if start >= n:
         return start, False
-    first = text[start]
-    if first not in '{["':
+    if text[start] not in '{["':
         match = _SCALAR.match(text, start)
         if match is None or match.end() == n:
             return start, False
         return match.end(), True
-    depth = 0
-    in_string = False
+    end = balanced_end(text, start, '"')
+    return (n, False) if end is None else (end, True)
+
+
+_CLOSERS = {"(": ")", "[": "]", "{": "}"}
+
+
+def balanced_end(text: str, start: int, quotes: str) -> int | None:
+    """The index after the bracketed group or string opening at ``text[start]``
+    (None while it is open).
+
+    Strings open and close with any of ``quotes`` and take backslash escapes.
+    A closing bracket that does not match ends the group there: what it
+    holds will not parse, and no more text can change that.
+    """
+    stack: list[str] = []
+    quote = ""
     escaped = False
-    i = start
-    while i < n:
+    for i in range(start, len(text)):
         ch = text[i]
-        if in_string:
+        if quote:
             if escaped:
                 escaped = False
             elif ch == "\\":
                 escaped = True
-            elif ch == '"':
-                in_string = False
-                if depth == 0:
-                    return i + 1, True
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1, True
-        i += 1
-    return n, False
+            elif ch == quote:
+                quote = ""
+                if not stack:
+                    return i + 1
+        elif ch in quotes:
+            quote = ch
+        elif ch in _CLOSERS:
+            stack.append(_CLOSERS[ch])
+        elif ch in ")]}":
+            if not stack or stack.pop() != ch or not stack:
+                return i + 1
+    return None
 
 
 def json_call(block: str, args_keys: tuple[str, ...], raw: str) -> ParsedToolCall:

@@ -20,6 +20,7 @@ from tokenloom.entrypoints.openai.tool_parsers.base import (
     ParsedToolCall,
     Segment,
     ToolParser,
+    balanced_end,
     text_segment,
 )
 
@@ -29,7 +30,6 @@ _CALL_START = re.compile(r"[A-Za-z_][\w.]*\s*\(")
 _PARTIAL_NAME = re.compile(r"[A-Za-z_][\w.]*\s*")
 _SEPARATOR = re.compile(r"\s*,\s*")
 _CLOSE = re.compile(r"\s*\]")
-_PAIRS = {"(": ")", "[": "]", "{": "}"}
 
 
 class PythonicToolParser(ToolParser):
@@ -40,14 +40,15 @@ class PythonicToolParser(ToolParser):
                 return []
             return text_segment(text, final)
         pos = opened.end()
-        rest = text[pos:]
-        if _CALL_START.match(rest) is None:
-            if not final and (not rest or _PARTIAL_NAME.fullmatch(rest) is not None):
+        call = _CALL_START.match(text, pos)
+        if call is None:
+            if not final and (pos == len(text) or _PARTIAL_NAME.fullmatch(text, pos)):
                 return []  # the first call's name may be arriving
             return text_segment(text, final)  # a list, but not of calls
         segments: list[Segment] = []
         while True:
-            end = _call_end(text, pos)
+            # The call's arguments: from its "(" to the matching ")".
+            end = balanced_end(text, call.end() - 1, "'\"")
             if end is None:
                 segments.append(ParsedToolCall(None, raw=text[pos:]))
                 return segments
@@ -55,8 +56,9 @@ class PythonicToolParser(ToolParser):
             sep = _SEPARATOR.match(text, end)
             if sep is not None:
                 after = sep.end()
-                if _CALL_START.match(text, after) is not None:
-                    pos = after
+                next_call = _CALL_START.match(text, after)
+                if next_call is not None:
+                    pos, call = after, next_call
                     continue
                 if not final and (after == len(text) or _PARTIAL_NAME.fullmatch(text, after)):
                     return segments  # the next call's name may be arriving
@@ -66,33 +68,6 @@ class PythonicToolParser(ToolParser):
             if not final and not text[end:].strip():
                 return segments  # a separator or the list's end may be arriving
             return segments + text_segment(text[end:], final)
-
-
-def _call_end(text: str, pos: int) -> int | None:
-    """The index after the call starting at ``pos`` (its closing parenthesis), or None
-    while it is open."""
-    stack: list[str] = []
-    quote = ""
-    escaped = False
-    for i in range(pos, len(text)):
-        ch = text[i]
-        if quote:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == quote:
-                quote = ""
-        elif ch in "'\"":
-            quote = ch
-        elif ch in _PAIRS:
-            stack.append(_PAIRS[ch])
-        elif ch in ")]}":
-            if not stack or stack.pop() != ch:
-                return i + 1  # unbalanced: the call ends here, and will not parse
-            if not stack:
-                return i + 1
-    return None
 
 
 def _call(source: str) -> ParsedToolCall:
