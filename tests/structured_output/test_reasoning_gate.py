@@ -21,9 +21,14 @@ def scripted_tokenizer(scripted_model_dir: Path) -> Any:
     return load_tokenizer(scripted_model_dir)
 
 
-def test_a_model_without_the_tags_is_refused(tokenizer: Any) -> None:
+def test_a_model_without_the_tags_is_refused(tokenizer: Any, scripted_tokenizer: Any) -> None:
+    qwen3 = get_reasoning_parser("qwen3")
     with pytest.raises(ValueError, match=r"^reasoning_parser 'qwen3' needs '<think>' to be one"):
-        ReasoningTokens.resolve(get_reasoning_parser("qwen3"), tokenizer)
+        ReasoningTokens.resolve(qwen3, tokenizer, len(tokenizer))
+    # Tags the tokenizer has but the model's logits do not cover cannot be sampled.
+    end = scripted_tokenizer.convert_tokens_to_ids("</think>")
+    with pytest.raises(ValueError, match=r"needs '</think>' to be one token"):
+        ReasoningTokens.resolve(qwen3, scripted_tokenizer, end)
 
 
 @pytest.mark.parametrize(
@@ -60,3 +65,11 @@ def test_the_gate_follows_the_end_of_the_prompt(
 def test_gate_ids_are_checked() -> None:
     with pytest.raises(ValueError, match="reasoning_gate.end_token_id must be a token id"):
         ReasoningGate(-1)
+
+
+def test_the_engine_refuses_a_parser_its_model_lacks() -> None:
+    """Before the weights load: the tokenizer says the model is no reasoning model."""
+    from tokenloom import LLM
+
+    with pytest.raises(ValueError, match=r"^reasoning_parser 'deepseek_r1' needs '<think>'"):
+        LLM(reasoning_parser="deepseek_r1", max_model_len=256, num_blocks=32)

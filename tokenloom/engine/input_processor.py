@@ -57,7 +57,9 @@ class InputProcessor:
         self.reasoning = (
             None
             if reasoning_parser is None
-            else ReasoningTokens.resolve(get_reasoning_parser(reasoning_parser), tokenizer)
+            else ReasoningTokens.resolve(
+                get_reasoning_parser(reasoning_parser), tokenizer, vocab_size
+            )
         )
         # The serving front end checks grammars in a helper process (the backend
         # imports torch); the offline LLM checks them in place.

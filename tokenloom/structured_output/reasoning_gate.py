@@ -122,17 +122,18 @@ class ReasoningTokens:
     end_token_id: int
 
     @classmethod
-    def resolve(cls, parser: ReasoningParser, tokenizer: Any) -> ReasoningTokens:
+    def resolve(cls, parser: ReasoningParser, tokenizer: Any, vocab_size: int) -> ReasoningTokens:
         """Raises ``ValueError`` naming ``reasoning_parser`` when a tag is not one token
-        (the model is not the reasoning model the parser is for)."""
+        of the model's ``vocab_size`` (the model is not the reasoning model the
+        parser is for)."""
         ids = []
         for tag in (parser.start_tag, parser.end_tag):
             encoded = list(tokenizer.encode(tag, add_special_tokens=False))
-            if len(encoded) != 1:
+            if len(encoded) != 1 or not 0 <= encoded[0] < vocab_size:
                 raise ValueError(
                     f"reasoning_parser {parser.name!r} needs {tag!r} to be one token of the "
-                    f"model's vocabulary, but it encodes to {len(encoded)} tokens: this model "
-                    "is not a reasoning model of that family"
+                    f"model's vocabulary, but it encodes to {encoded[:8]}: this model is not "
+                    "a reasoning model of that family"
                 )
             ids.append(encoded[0])
         return cls(parser, ids[0], ids[1])

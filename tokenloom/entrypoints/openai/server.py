@@ -328,7 +328,10 @@ async def _serve(
     model_name = engine_args.config.frontend_config.served_model_name or (
         default_served_model_name(engine_args.model)
     )
-    engine = AsyncLLM.from_engine_args(engine_args)
+    try:
+        engine = AsyncLLM.from_engine_args(engine_args)
+    except ValueError as exc:  # an option the model cannot serve (it names the option)
+        raise SystemExit(f"tokenloom serve: {exc}") from None
     try:
         app = build_app(
             engine,
