@@ -103,5 +103,7 @@ setup(
         "httpx>=0.27",
         "psutil>=5.9",
         "xgrammar>=0.2.8",
+        # Tool calls are validated against their function's schema before a client sees them.
+        "jsonschema>=4.20",
     ],
 )

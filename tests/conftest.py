@@ -78,3 +78,12 @@ def default_hf_model_dir(
     except OSError:  # another session published it first
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def scripted_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3 reasoning model whose greedy output is scripted
+    (``tests/entrypoints/scripted_model.py``); written in a second or two."""
+    from tests.entrypoints.scripted_model import write_scripted_model
+
+    return write_scripted_model(tmp_path_factory.mktemp("scripted_model"))

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from tokenloom.chat_templates import load_bundled_template, template_renders_tools
-from tokenloom.entrypoints.openai.tool_parsers import HermesToolParser
+from tokenloom.entrypoints.openai.tool_parsers import HermesToolParser, ToolCallChecker, settle
 
 TOOLS = [
     {
@@ -67,7 +67,8 @@ def test_tools_and_tool_history_are_rendered(tokenizer) -> None:  # type: ignore
     assert text.index("20C") < text.index("25C")
     # The assistant's calls are rendered in the format the hermes parser reads.
     turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
-    calls = HermesToolParser().parse(turn, final=True).calls
+    checker = ToolCallChecker({"get_weather": TOOLS[0]["function"]["parameters"]}, parallel=True)  # type: ignore[index]
+    calls = settle(HermesToolParser(), checker, turn, final=True).calls
     assert [(c.name, c.arguments) for c in calls] == [
         ("get_weather", '{"city": "Paris"}'),
         ("get_weather", '{"city": "Rome"}'),

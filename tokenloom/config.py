@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from tokenloom.options import option, validate
+from tokenloom.reasoning import reasoning_parser_names
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # The dtype names a user may give for the weights and the KV cache.
@@ -420,6 +421,12 @@ class FrontendConfig:
     log_stats: bool = option(True, help="log throughput, queue and KV cache statistics")
     enable_lora: bool = option(
         False, help="serve LoRA adapters (PEFT directories) on top of the model"
+    )
+    reasoning_parser: str | None = option(
+        None,
+        choices=tuple(reasoning_parser_names()),
+        help="the reasoning model's format: its thinking is returned as reasoning_content, "
+        "and structured outputs and tool calls apply to the answer after it",
     )
 
     def __post_init__(self) -> None:

@@ -275,11 +275,18 @@ class Request:
         self, token_ids: list[int], kept: int, status: RequestStatus | None
     ) -> tuple[int, RequestStatus | None]:
         """Feed ``token_ids[:kept]`` to the grammar; where the request ends, and how."""
-        assert self.structured_output_request is not None
-        matcher = self.structured_output_request.grammar
+        structured = self.structured_output_request
+        assert structured is not None
+        matcher = structured.grammar
         if matcher is None:  # not compiled: the scheduler never runs such a request
             raise RuntimeError(f"request {self.request_id} sampled before its grammar was ready")
-        for i in range(kept):
+        # A reasoning model's thinking is not the grammar's: it starts after it.
+        first = (
+            0
+            if structured.reasoning.answering
+            else structured.reasoning.answer_start(token_ids, kept)
+        )
+        for i in range(first, kept):
             if not matcher.accept_tokens(token_ids[i : i + 1]):
                 logger.error(
                     "request %s: the grammar refused sampled token %d; aborting it",

@@ -26,6 +26,7 @@ from tests.core.utils import (
 from tokenloom.request import RequestStatus
 from tokenloom.structured_output import StructuredOutputsParams
 from tokenloom.structured_output.manager import StructuredOutputManager
+from tokenloom.structured_output.reasoning_gate import ReasoningGate
 
 EOS = 0
 VOCAB = ["<eos>", "a", "b", "c", "ab", "x"]
@@ -279,4 +280,119 @@ def test_a_resumed_output_the_grammar_refuses_aborts_the_request(
     _wait_compiled(scheduler)
     harness.run_until_done()
     assert harness.finished["s"].finish_reason == "abort"
+    assert_no_leaks(scheduler)
+
+
+# ---------------------------------------------------------------- reasoning models
+# The gate's tags, in the tiny vocabulary: X ends the thinking, B may open it.
+THINK_END, THINK_START = X, B
+
+
+def _thinking(req_id: str, optional: bool = False, **kwargs: Any) -> Any:
+    gate = ReasoningGate(THINK_END, THINK_START if optional else None)
+    constraint = StructuredOutputsParams(regex="(ab|c)+", reasoning_gate=gate)
+    return _structured(req_id, constraint=constraint, **kwargs)
+
+
+def _allowed(grammar: Any, row: int = 0) -> list[int]:
+    bits = np.unpackbits(grammar.grammar_bitmask[row].view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits[: len(VOCAB)]).tolist()
+
+
+def test_the_grammar_starts_after_the_thinking(manager: StructuredOutputManager) -> None:
+    scheduler = make_scheduler(structured_output_manager=manager)
+    # B and A are refused by (ab|c)+ at its start: only the thinking may hold them.
+    runner = FakeRunner(scripted({"s": [B, A, B, THINK_END, AB, C, EOS]}, default=X))
+    harness = Harness(scheduler, runner)
+    harness.add(_thinking("s", max_tokens=10))
+    _wait_compiled(scheduler)
+    for _ in range(4):  # the prefill and three thinking tokens: no row, nothing masked
+        so = harness.schedule()
+        assert scheduler.get_grammar_bitmask(so) is None
+        harness.run(so)
+    so = harness.schedule()  # after the end token: the grammar's first row
+    grammar = scheduler.get_grammar_bitmask(so)
+    assert grammar is not None and _allowed(grammar) == [A, C, AB]
+    harness.run(so)
+    harness.run_until_done()
+    assert harness.tokens("s") == [B, A, B, THINK_END, AB, C, EOS]
+    assert harness.finished["s"].finish_reason == "stop"
+    assert_no_leaks(scheduler)
+
+
+def test_an_answer_the_grammar_refuses_still_aborts(manager: StructuredOutputManager) -> None:
+    scheduler = make_scheduler(structured_output_manager=manager)
+    harness = Harness(scheduler, FakeRunner(scripted({"s": [A, THINK_END, B]}, default=C)))
+    harness.add(_thinking("s"))
+    _wait_compiled(scheduler)
+    harness.run_until_done()
+    assert harness.tokens("s") == [A, THINK_END]
+    assert harness.finished["s"].finish_reason == "abort"
+    assert_no_leaks(scheduler)
+
+
+def test_optional_thinking_first_row_allows_the_start_tag(
+    manager: StructuredOutputManager,
+) -> None:
+    scheduler = make_scheduler(structured_output_manager=manager)
+    scripts = {"answers": [C, AB, EOS], "thinks": [THINK_START, A, THINK_END, C, EOS]}
+    harness = Harness(scheduler, FakeRunner(scripted(scripts, default=X)))
+    harness.add(_thinking("answers", optional=True), _thinking("thinks", optional=True))
+    _wait_compiled(scheduler)
+    so = harness.schedule()
+    grammar = scheduler.get_grammar_bitmask(so)
+    assert grammar is not None and grammar.structured_output_request_ids == ["answers", "thinks"]
+    assert _allowed(grammar, 0) == _allowed(grammar, 1) == [A, THINK_START, C, AB]
+    harness.run(so)
+    # "answers" answered at once (its grammar moved); "thinks" thinks, without a row.
+    so = harness.schedule()
+    grammar = scheduler.get_grammar_bitmask(so)
+    assert grammar is not None and grammar.structured_output_request_ids == ["answers"]
+    assert _allowed(grammar) == [EOS, A, C, AB]
+    harness.run(so)
+    harness.run_until_done()
+    assert harness.tokens("answers") == [C, AB, EOS]
+    assert harness.tokens("thinks") == [THINK_START, A, THINK_END, C, EOS]
+    assert [harness.finished[r].finish_reason for r in ("answers", "thinks")] == ["stop"] * 2
+    assert_no_leaks(scheduler)
+
+
+def test_drafts_of_a_thinking_request_stop_before_the_end_tag(
+    manager: StructuredOutputManager,
+) -> None:
+    scheduler = make_scheduler(structured_output_manager=manager, num_speculative_tokens=4)
+    runner = FakeRunner(scripted({"s": [A]}, default=THINK_END))
+    harness = Harness(scheduler, runner)
+    harness.add(_thinking("s", max_tokens=8))
+    _wait_compiled(scheduler)
+    harness.step()
+    scheduler.update_draft_token_ids({"s": [B, A, THINK_END, C]})
+    assert scheduler.requests["s"].spec_token_ids == [B, A]
+    finish_all(scheduler)
+    harness.step()
+    assert_no_leaks(scheduler)
+
+
+def test_a_resumed_request_skips_its_thinking(manager: StructuredOutputManager) -> None:
+    from tokenloom.request import Request
+
+    scheduler = make_scheduler(structured_output_manager=manager)
+    harness = Harness(scheduler, FakeRunner(scripted({"s": [C, EOS]}, default=X)))
+    fresh = _thinking("s", max_tokens=8)
+    harness.add(
+        Request(
+            "s",
+            fresh.prompt_token_ids,
+            fresh.sampling_params,
+            eos_token_id=EOS,
+            prior_output_token_ids=[B, A, THINK_END, AB],
+        )
+    )
+    _wait_compiled(scheduler)
+    so = harness.schedule()
+    grammar = scheduler.get_grammar_bitmask(so)
+    assert grammar is not None and _allowed(grammar) == [EOS, A, C, AB]
+    harness.run(so)
+    harness.run_until_done()
+    assert harness.finished["s"].finish_reason == "stop"
     assert_no_leaks(scheduler)

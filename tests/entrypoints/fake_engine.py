@@ -3,7 +3,8 @@
 The tokenizer maps each character to its code point. The engine "generates"
 the successors of "a" (a, b, c, ...), one per step, and reports logprobs that
 make the sampled token the most likely one; with ``reply`` set it writes that
-text instead, one character per step, and stops (``finish_reason`` stop). Requests are validated the way
+text instead, one character per step, and stops (``finish_reason`` stop, or
+length when ``max_tokens`` cuts the reply short). Requests are validated the way
 AsyncLLM validates them (vocabulary, context length, --max-logprobs), with
 ValueErrors that start with the field's name, and chats are rendered with a
 real Jinja template.
@@ -39,9 +40,15 @@ class CharTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         # Surrogate code points decode to U+FFFD, as a byte-level decoder would.
         return "".join("\ufffd" if 0xD800 <= i < 0xE000 else chr(i) for i in ids)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.decode([i]) for i in ids]
+
+    def __len__(self) -> int:
+        return VOCAB_SIZE
 
 
 class FakeAsyncLLM:
@@ -161,8 +168,10 @@ class FakeAsyncLLM:
         self.num_running_requests += 1
         max_tokens = sampling_params.max_tokens or self.max_model_len - len(ids)
         reply = self.reply
-        if reply is not None:
-            max_tokens = min(max_tokens, len(reply))
+        # Finished by itself (the reply's end) or cut (max_tokens).
+        end_reason = "length"
+        if reply is not None and len(reply) <= max_tokens:
+            max_tokens, end_reason = len(reply), "stop"
         texts = [""] * sampling_params.n
         tokens: list[list[int]] = [[] for _ in range(sampling_params.n)]
         history: list[list[dict[int, float]]] = [[] for _ in range(sampling_params.n)]
@@ -190,11 +199,7 @@ class FakeAsyncLLM:
                             index=index,
                             text=chr(token) if delta else texts[index],
                             token_ids=[token] if delta else list(tokens[index]),
-                            finish_reason=None
-                            if not last
-                            else "length"
-                            if reply is None
-                            else "stop",
+                            finish_reason=end_reason if last else None,
                             logprobs=logprobs,
                         )
                     )

@@ -72,8 +72,8 @@ def test_generated_requests_get_declared_answers_and_no_5xx() -> None:
 
     total = sum(statuses.values())
     assert total >= MIN_REQUESTS, statuses
-    for path in ("/v1/completions", "/v1/chat/completions"):
-        # Both the generation path and the rejection path were exercised.
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        # Both the answering path and the rejection path were exercised.
         assert statuses[(f"POST {path}", 200)] > 20, statuses
         assert statuses[(f"POST {path}", 400)] > 20, statuses
     assert not any(status >= 500 for _, status in statuses)

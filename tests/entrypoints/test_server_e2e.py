@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -314,6 +315,36 @@ def test_client_disconnect_without_streaming_aborts(server: RemoteServer) -> Non
 
 _CHAT_BODY = '"messages": [{"role": "user", "content": "hi"}]'
 _PROMPT_BODY = '"prompt": "hi"'
+
+
+# ------------------------------------------------------------------ tokenization
+
+
+def test_tokenize_counts_what_generation_counts(
+    server: RemoteServer, client: openai.OpenAI, default_model_path: Path
+) -> None:
+    from tokenloom.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path)
+    r = post(
+        server, "/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True}
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tokenizer.encode(PROMPT)
+    assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
+    assert body["max_model_len"] == MAX_MODEL_LEN
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+    assert completion.usage is not None and completion.usage.prompt_tokens == body["count"]
+
+    r = post(server, "/tokenize", json={"messages": CHAT})
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)  # type: ignore[arg-type]
+    assert chat.usage is not None and r.json()["count"] == chat.usage.prompt_tokens
+
+    r = post(server, "/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
+    assert r.status_code == 200 and r.json() == {"prompt": PROMPT}
+    r = post(server, "/detokenize", json={"tokens": [len(tokenizer)]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,7 @@ def engine() -> FakeAsyncLLM:
 
 @pytest.fixture
 async def client(engine: FakeAsyncLLM) -> AsyncIterator[httpx.AsyncClient]:
-    app = build_app(engine)
+    app = build_app(engine, enable_auto_tool_choice=True)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
         yield c

@@ -2,8 +2,10 @@
 
 One server (default model) for the module. The client is used unchanged:
 ``chat.completions.parse`` with a Pydantic model, ``tools`` with
-``tool_choice="required"`` and with a named function, streamed tool calls,
-and the 400s for constraints that cannot be compiled.
+``tool_choice="required"``, a named function and ``auto``, each whole and
+streamed (the stream must reassemble to the whole reply), cut by
+``max_tokens`` inside a call, and the 400s for constraints that cannot be
+compiled.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from .reply_utils import openai_reply_whole_and_streamed
 from .server_utils import RemoteServer, metric_values
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -52,6 +55,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, and the time i
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     log = tmp_path_factory.mktemp("server") / "server.log"
     args = ["--max-model-len", "1024", "--num-blocks", "256", "--max-num-seqs", "8"]
+    args += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     server = RemoteServer(args, log)
     yield server
     server.stop()
@@ -83,38 +87,17 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
     assert completion.choices[0].finish_reason == "stop"
 
 
-def _check_calls(calls: Any, names: set[str]) -> list[tuple[str, str]]:
-    assert calls, "no tool calls"
-    out = []
-    for call in calls:
-        assert call.type == "function" and call.id
-        assert call.function.name in names
-        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-        out.append((call.function.name, call.function.arguments))
-    return out
-
-
-def _streamed_calls(client: openai.OpenAI, **kwargs: Any) -> tuple[list[tuple[str, str]], str]:
-    """Reassemble streamed tool-call deltas: name first, then argument fragments."""
-    calls: dict[int, list[str]] = {}
-    finish = ""
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        if not chunk.choices:
-            continue
-        choice = chunk.choices[0]
-        for delta in choice.delta.tool_calls or []:
-            if delta.id is not None:
-                assert delta.index not in calls and delta.function and delta.function.name
-                calls[delta.index] = [delta.function.name, ""]
-            assert delta.function is not None
-            calls[delta.index][1] += delta.function.arguments or ""
-        finish = choice.finish_reason or finish
-    return [(name, args) for name, args in calls.values()], finish
+def _check_calls(calls: list[tuple[str, str]], names: set[str]) -> None:
+    """Every returned call is one of ``names`` with arguments that validate."""
+    for name, arguments in calls:
+        assert name in names
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
 @pytest.mark.parametrize("parallel", [False, True])
 def test_tool_choice_required(client: openai.OpenAI, parallel: bool) -> None:
-    kwargs: dict[str, Any] = dict(
+    content, _, calls, finish = openai_reply_whole_and_streamed(
+        client,
         model=MODEL,
         messages=ASK,
         tools=TOOLS,
@@ -123,28 +106,74 @@ def test_tool_choice_required(client: openai.OpenAI, parallel: bool) -> None:
         max_tokens=80,
         temperature=0,
     )
-    completion = client.chat.completions.create(**kwargs)
-    choice = completion.choices[0]
-    calls = choice.message.tool_calls or []
+    assert content is None
+    _check_calls(calls, {"get_weather", "get_time"})
     if parallel:
         # Nothing bounds the number of parallel calls, and a small model may go
-        # on calling until max_tokens: every finished call must validate.
-        assert choice.finish_reason in ("tool_calls", "length")
-        if choice.finish_reason == "length":
-            calls = calls[:-1]
+        # on calling until max_tokens: then the reply says so, and only the
+        # finished calls are returned.
+        assert finish in ("tool_calls", "length") and calls
     else:
-        assert choice.finish_reason == "tool_calls" and len(calls) == 1
-    checked = _check_calls(calls, {"get_weather", "get_time"})
-    streamed, finish = _streamed_calls(client, **kwargs)
-    assert finish == choice.finish_reason
-    assert streamed[: len(checked)] == checked
-    assert streamed == [
-        (c.function.name, c.function.arguments) for c in choice.message.tool_calls or []
-    ]
+        assert finish == "tool_calls" and len(calls) == 1
+
+
+BOOK = {
+    "type": "object",
+    "properties": {
+        "origin": {"type": "string", "maxLength": 30},
+        "destination": {"type": "string", "maxLength": 30},
+        "date": {"type": "string", "maxLength": 20},
+    },
+    "required": ["origin", "destination", "date"],
+    "additionalProperties": False,
+}
+FLIGHTS = [{"type": "function", "function": {"name": "book_flight", "parameters": BOOK}}]
+
+
+@pytest.mark.parametrize("max_tokens", [12, 45, 100])
+def test_max_tokens_cut_inside_a_forced_call(client: openai.OpenAI, max_tokens: int) -> None:
+    """The reported case: calls cut by max_tokens are not calls, and the reply says length."""
+    content, _, calls, finish = openai_reply_whole_and_streamed(
+        client,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Book flights from Oslo to Paris, Rome and Nice."}],
+        tools=FLIGHTS,
+        tool_choice="required",
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+    assert content is None
+    for name, arguments in calls:
+        assert name == "book_flight"
+        jsonschema.validate(json.loads(arguments), BOOK)
+    if max_tokens == 12:  # not even the first call can finish in 12 tokens
+        assert (calls, finish) == ([], "length")
+    else:  # the model may have ended the list, or been cut in some call
+        assert finish == "length" or (finish == "tool_calls" and calls)
+
+
+def test_max_tokens_cut_inside_a_named_call(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+    )
+    assert openai_reply_whole_and_streamed(client, max_tokens=4, **kwargs) == (
+        None,
+        None,
+        [],
+        "length",
+    )
+    _, _, calls, finish = openai_reply_whole_and_streamed(client, max_tokens=60, **kwargs)
+    assert finish == "tool_calls" and len(calls) == 1
+    _check_calls(calls, {"get_weather"})
 
 
 def test_named_tool_choice(client: openai.OpenAI) -> None:
-    kwargs: dict[str, Any] = dict(
+    _, _, calls, finish = openai_reply_whole_and_streamed(
+        client,
         model=MODEL,
         messages=ASK,
         tools=TOOLS,
@@ -152,13 +181,19 @@ def test_named_tool_choice(client: openai.OpenAI) -> None:
         max_tokens=60,
         temperature=0,
     )
-    completion = client.chat.completions.create(**kwargs)
-    choice = completion.choices[0]
-    assert _check_calls(choice.message.tool_calls, {"get_time"})
-    streamed, _ = _streamed_calls(client, **kwargs)
-    assert streamed == [
-        (c.function.name, c.function.arguments) for c in choice.message.tool_calls or []
-    ]
+    assert finish == "tool_calls" and len(calls) == 1
+    _check_calls(calls, {"get_time"})
+
+
+def test_auto_answers_with_text_or_calls_that_hold_up(client: openai.OpenAI) -> None:
+    """The default model may or may not call a tool: whatever it returns validates."""
+    content, _, calls, finish = openai_reply_whole_and_streamed(
+        client, model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0
+    )
+    _check_calls(calls, {"get_weather", "get_time"})
+    assert finish in ("stop", "length", "tool_calls")
+    assert (finish == "tool_calls") == (bool(calls) and finish != "length")
+    assert content or calls
 
 
 def test_tool_history_round_trip(client: openai.OpenAI) -> None:

@@ -84,7 +84,8 @@ def test_bad_tool_choices_name_the_field() -> None:
 def test_parser_choice() -> None:
     assert tool_parser_for(None, "auto", "hermes") is None
     assert tool_parser_for(TOOLS, "none", "hermes") is None
-    assert tool_parser_for(TOOLS, "auto", None) is None
+    with pytest.raises(ValueError, match=r'^tool_choice "auto" .* --enable-auto-tool-choice'):
+        tool_parser_for(TOOLS, "auto", None)
     assert isinstance(tool_parser_for(TOOLS, "auto", "hermes"), HermesToolParser)
     assert isinstance(tool_parser_for(TOOLS, None, "hermes"), HermesToolParser)
     assert isinstance(tool_parser_for(TOOLS, "required", None), RequiredToolParser)

@@ -19,7 +19,9 @@ from tokenloom.engine.protocol import ChatOptions, PromptType, RenderedChat
 from tokenloom.lora_request import LoRARequest
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.peft_config import validate_adapter
+from tokenloom.reasoning import get_reasoning_parser
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.structured_output.reasoning_gate import ReasoningTokens
 from tokenloom.structured_output.validator import ConstraintValidator
 
 if TYPE_CHECKING:
@@ -32,6 +34,9 @@ class InputProcessor:
     ``eos_token_ids[0]`` becomes the request's EOS token; the others are added
     to its stop token ids unless it ignores EOS. ``chat_template`` is the
     engine's default template (``--chat-template``), used before the model's.
+    With ``reasoning_parser``, a structured request's grammar applies after
+    the thinking its prompt leaves to the model (``ValueError`` at once when
+    the model's vocabulary lacks the parser's tags).
     """
 
     def __init__(
@@ -46,8 +51,16 @@ class InputProcessor:
         lora_config: LoRAConfig | None = None,
         arch: ModelArchConfig | None = None,
         validate_constraints_in_subprocess: bool = False,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.reasoning = (
+            None
+            if reasoning_parser is None
+            else ReasoningTokens.resolve(
+                get_reasoning_parser(reasoning_parser), tokenizer, vocab_size
+            )
+        )
         # The serving front end checks grammars in a helper process (the backend
         # imports torch); the offline LLM checks them in place.
         self.validate_constraints = ConstraintValidator(validate_constraints_in_subprocess)
@@ -119,6 +132,10 @@ class InputProcessor:
         text = text if prompt_text is None else prompt_text
         self._validate(token_ids, params)
         core_params = self._with_eos_stops(params)
+        if self.reasoning is not None and params.structured_outputs is not None:
+            gate = self.reasoning.gate(self.tokenizer, token_ids)
+            structured = dataclasses.replace(params.structured_outputs, reasoning_gate=gate)
+            core_params = dataclasses.replace(core_params, structured_outputs=structured)
         arrival = time.time() if arrival_time is None else arrival_time
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         if params.n == 1:

@@ -20,6 +20,8 @@ from tokenloom.engine.input_processor import InputProcessor, eos_token_ids
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.metrics.stats import LoggingStatLogger, StatLogger
 from tokenloom.model.arch_config import ModelArchConfig
+from tokenloom.reasoning import get_reasoning_parser
+from tokenloom.structured_output.reasoning_gate import ReasoningTokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -65,9 +67,16 @@ class EngineSetup:
         return c.model_config, c.cache_config, c.scheduler_config, c.lora_config
 
     def load_tokenizer(self) -> PreTrainedTokenizerFast:
+        """The model's tokenizer; ``ValueError`` naming ``reasoning_parser`` when the
+        model lacks the parser's tags (found here, before the weights load)."""
         from tokenloom.model.tokenizer import load_tokenizer
 
-        return load_tokenizer(self.config.model_config.model)  # type: ignore[arg-type]
+        tokenizer = load_tokenizer(self.config.model_config.model)  # type: ignore[arg-type]
+        reasoning_parser = self.config.frontend_config.reasoning_parser
+        if reasoning_parser is not None:
+            parser = get_reasoning_parser(reasoning_parser)
+            ReasoningTokens.resolve(parser, tokenizer, self.arch.vocab_size)
+        return tokenizer
 
     def front_end(
         self,
@@ -92,6 +101,7 @@ class EngineSetup:
             lora_config=self.config.lora_config,
             arch=self.arch,
             validate_constraints_in_subprocess=validate_constraints_in_subprocess,
+            reasoning_parser=frontend.reasoning_parser,
         )
         stat_loggers: list[StatLogger] = [LoggingStatLogger()] if frontend.log_stats else []
         return FrontEnd(tokenizer, input_processor, OutputProcessor(tokenizer), stat_loggers)

@@ -38,6 +38,7 @@ from tokenloom.structured_output.backend_xgrammar import (
     bitmask_words,
 )
 from tokenloom.structured_output.params import StructuredOutputsParams
+from tokenloom.structured_output.reasoning_gate import ReasoningPhase
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -71,9 +72,13 @@ class StructuredOutputStats:
 
 
 class StructuredOutputRequest:
-    """A request's constraint, its (pending) compiled grammar, and its matcher."""
+    """A request's constraint, its (pending) compiled grammar, and its matcher.
 
-    __slots__ = ("params", "_future", "_matcher", "_manager", "error")
+    ``reasoning`` follows a reasoning model's thinking: the grammar applies
+    only once it ``answering`` (from the first token without a gate).
+    """
+
+    __slots__ = ("params", "_future", "_matcher", "_manager", "error", "reasoning")
 
     def __init__(
         self,
@@ -87,6 +92,7 @@ class StructuredOutputRequest:
         self._manager = manager
         # Why the grammar could not be compiled (the request cannot run).
         self.error: str | None = None
+        self.reasoning = ReasoningPhase(params.reasoning_gate)
 
     def is_ready(self) -> bool:
         """True once the compile finished, successfully or not (check ``error``)."""
@@ -107,6 +113,13 @@ class StructuredOutputRequest:
         if self._matcher is None:
             self.is_ready()
         return self._matcher
+
+    def accept_output(self, token_ids: list[int]) -> bool:
+        """Advance past output already produced (a resumed request): its thinking,
+        then the grammar; False when the grammar refuses it."""
+        start = self.reasoning.answer_start(token_ids, len(token_ids))
+        matcher = self.grammar
+        return matcher is not None and matcher.accept_tokens(token_ids[start:])
 
 
 class StructuredOutputManager:
@@ -204,8 +217,12 @@ class StructuredOutputManager:
         self,
         structured: Sequence[tuple[str, XgrammarMatcher]],
         spec_tokens: Mapping[str, list[int]],
+        also_allowed: Mapping[str, int] | None = None,
     ) -> GrammarOutput:
         """One bitmask for the step: a row per sampled position of each request.
+
+        ``also_allowed`` names, per request, a token its (single) row allows
+        besides the grammar's: a reasoning model's optional start of thinking.
 
         For a request verifying drafts, the matcher steps through the drafts
         to fill the rows after each, then rolls back: it only ever advances
@@ -247,6 +264,10 @@ class StructuredOutputManager:
                 matcher.rollback(advanced)
             else:
                 matcher.fill_bitmask(bitmask, row)
+                extra = also_allowed.get(req_id) if also_allowed else None
+                if extra is not None:
+                    word, bit = divmod(extra, 32)
+                    bitmask[row, word] |= np.int32(np.uint32(1 << bit).view(np.int32))
                 row += 1
             counts.append(row - first_row)
         return GrammarOutput(req_ids, bitmask, counts)

@@ -14,6 +14,8 @@ import json as _json
 from dataclasses import dataclass
 from typing import Any
 
+from tokenloom.structured_output.reasoning_gate import ReasoningGate
+
 # The constraint fields, in the order messages list them.
 CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -24,6 +26,8 @@ class StructuredOutputsParams:
 
     ``disable_any_whitespace`` makes JSON compact (no free whitespace between
     tokens), which keeps small models from wandering into long runs of spaces.
+    ``reasoning_gate`` (set by the front end for reasoning models): the
+    constraint applies only after the thinking (see ``reasoning_gate.py``).
     Invalid values raise ``ValueError`` whose message starts with the field
     name (``structured_outputs.regex ...``).
     """
@@ -34,6 +38,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = False
+    reasoning_gate: ReasoningGate | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None and not isinstance(self.choice, str):
@@ -77,6 +82,8 @@ class StructuredOutputsParams:
             fail("json_object", "must be a boolean")
         if not isinstance(self.disable_any_whitespace, bool):
             fail("disable_any_whitespace", "must be a boolean")
+        if self.reasoning_gate is not None and not isinstance(self.reasoning_gate, ReasoningGate):
+            fail("reasoning_gate", "must be a ReasoningGate")
 
     def _is_set(self, name: str) -> bool:
         value = getattr(self, name)

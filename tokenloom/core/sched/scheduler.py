@@ -43,7 +43,8 @@ Other choices worth knowing:
   their place in the queue, until it is ready; a grammar that fails to
   compile finishes its request as aborted. ``get_grammar_bitmask`` gives the
   step's bitmask for the structured requests that sample in it; drafts of a
-  structured request are cut at the first token its grammar refuses.
+  structured request are cut at the first token its grammar refuses. A
+  reasoning model's request (``reasoning_gate``) gets no row while it thinks.
 * Requests preempted by ``reset_prefix_cache(reset_running_requests=True)``
   are reported in the next ``preempted_req_ids``; that step admits nothing,
   so the runner drops them before they are resumed.
@@ -221,7 +222,10 @@ class Scheduler(SchedulerInterface):
             drafts = list(drafts[:limit])
             structured = request.structured_output_request
             if drafts and structured is not None and structured.grammar is not None:
-                drafts = structured.grammar.validate_tokens(drafts)
+                if structured.reasoning.answering:
+                    drafts = structured.grammar.validate_tokens(drafts)
+                else:
+                    drafts = structured.reasoning.draft_limit(drafts)
             request.spec_token_ids = drafts
             if drafts:
                 self._drafts_seen = True
@@ -447,7 +451,7 @@ class Scheduler(SchedulerInterface):
         prior = request.output_token_ids
         if prior and structured.grammar is not None:
             # A request resumed after an engine crash: its grammar state follows its output.
-            if not structured.grammar.accept_tokens(prior):
+            if not structured.accept_output(prior):
                 logger.error(
                     "request %s: the grammar refused its resumed output", request.request_id
                 )
@@ -467,17 +471,26 @@ class Scheduler(SchedulerInterface):
         assert self.structured_output_manager is not None
         requests = self.requests
         structured = []
+        also_allowed: dict[str, int] = {}
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
             if request is None or request.structured_output_request is None:
                 continue
-            matcher = request.structured_output_request.grammar
-            if matcher is not None and request.num_computed_tokens >= request.num_tokens:
+            structured_request = request.structured_output_request
+            matcher = structured_request.grammar
+            if (
+                matcher is not None
+                and request.num_computed_tokens >= request.num_tokens
+                and not structured_request.reasoning.thinking  # thinking is free
+            ):
                 structured.append((req_id, matcher))
+                extra = structured_request.reasoning.also_allowed
+                if extra is not None:
+                    also_allowed[req_id] = extra
         if not structured:
             return None
         return self.structured_output_manager.grammar_bitmask(
-            structured, scheduler_output.scheduled_spec_decode_tokens
+            structured, scheduler_output.scheduled_spec_decode_tokens, also_allowed
         )
 
     def _forget(self, req_id: str) -> Request | None:

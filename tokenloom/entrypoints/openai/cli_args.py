@@ -43,6 +43,11 @@ class ServerArgs:
         help="LoRA adapters (PEFT directories) to serve from the start, each as name=path "
         "(needs --enable-lora)",
     )
+    enable_auto_tool_choice: bool = option(
+        False,
+        help='let the model decide whether to call tools (tool_choice "auto", the default '
+        "when a request has tools); its calls are found with --tool-call-parser",
+    )
     tool_call_parser: str = option(
         DEFAULT_TOOL_CALL_PARSER,
         choices=tuple(tool_parser_names()),

@@ -29,9 +29,10 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def json_body(model: type[BaseModel]) -> dict[str, Any]:
-    """``openapi_extra`` declaring ``model`` as a route's required JSON body."""
-    schema = {"$ref": _REF.format(model=model.__name__)}
+def json_body(*models: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` declaring ``models`` (one of them) as a route's required JSON body."""
+    refs: list[dict[str, Any]] = [_ref(model) for model in models]
+    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 

@@ -325,19 +325,39 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatCompletionRequest(_SamplingRequest):
-    """POST /v1/chat/completions. ``max_completion_tokens`` wins over ``max_tokens``."""
+class ChatRenderFields(BaseModel):
+    """How a conversation is rendered by the chat template (chat completions, /tokenize)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = _documented(minimum=1, maximum=INT64_MAX)
-    max_completion_tokens: int | None = _documented(minimum=1, maximum=INT64_MAX)
-    logprobs: bool = False
-    top_logprobs: int | None = _documented(minimum=0, maximum=MAX_CHAT_TOP_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatCompletionToolsParam] | None = None
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template sees them (None: do not show tools)."""
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template=self.chat_template,
+            chat_template_kwargs=dict(self.chat_template_kwargs or {}),
+            tools=self.tool_dicts(),
+        )
+
+
+class ChatCompletionRequest(_SamplingRequest, ChatRenderFields):
+    """POST /v1/chat/completions. ``max_completion_tokens`` wins over ``max_tokens``."""
+
+    max_tokens: int | None = _documented(minimum=1, maximum=INT64_MAX)
+    max_completion_tokens: int | None = _documented(minimum=1, maximum=INT64_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = _documented(minimum=0, maximum=MAX_CHAT_TOP_LOGPROBS)
     # Default: "auto" with tools, "none" without.
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -383,19 +403,10 @@ class ChatCompletionRequest(_SamplingRequest):
         return "auto" if self.tools else "none"
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template sees them (None: do not show tools)."""
-        if not self.tools or self.effective_tool_choice == "none":
+        """``tool_choice: "none"`` hides the tools from the model."""
+        if self.effective_tool_choice == "none":
             return None
-        return [tool.model_dump(exclude_none=True) for tool in self.tools]
-
-    def chat_options(self) -> ChatOptions:
-        return ChatOptions(
-            add_generation_prompt=self.add_generation_prompt,
-            continue_final_message=self.continue_final_message,
-            chat_template=self.chat_template,
-            chat_template_kwargs=dict(self.chat_template_kwargs or {}),
-            tools=self.tool_dicts(),
-        )
+        return super().tool_dicts()
 
 
 # --------------------------------------------------------------- responses
@@ -464,10 +475,12 @@ class ChatChoiceLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    """The reply; ``tool_calls`` is left out when there are none, as OpenAI does."""
+    """The reply; ``tool_calls`` is left out when there are none, as OpenAI does, and
+    ``reasoning_content`` (a reasoning model's thinking, vLLM's field) likewise."""
 
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = Field(default=None, exclude_if=_is_none)
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
@@ -493,6 +506,7 @@ class DeltaMessage(BaseModel):
 
     role: str | None = Field(default=None, exclude_if=_is_none)
     content: str | None = Field(default=None, exclude_if=_is_none)
+    reasoning_content: str | None = Field(default=None, exclude_if=_is_none)
     tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 

@@ -52,6 +52,15 @@ from .serving_base import (
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 from .serving_lora import LoRAAdapters
+from .serving_tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    OpenAIServingTokenization,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    parse_tokenize_body,
+)
 from .tool_parsers import DEFAULT_TOOL_CALL_PARSER
 
 if TYPE_CHECKING:
@@ -92,6 +101,8 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     trust_request_chat_template: bool = False,
     tool_call_parser: str | None = DEFAULT_TOOL_CALL_PARSER,
+    enable_auto_tool_choice: bool = False,
+    reasoning_parser: str | None = None,
     registry: CollectorRegistry | None = None,
     enable_lora: bool = False,
 ) -> FastAPI:
@@ -102,14 +113,22 @@ def build_app(
     ``PrometheusStatLogger`` writing to it joins ``engine.stat_loggers``;
     pass a registry only if such a logger is already attached. ``enable_lora``
     (the engine must have it too) adds the LoRA adapter endpoints.
-    ``tool_call_parser`` extracts calls for ``tool_choice: "auto"`` (None:
-    calls stay in the content).
+    ``tool_call_parser`` extracts calls for ``tool_choice: "auto"``, which
+    needs ``enable_auto_tool_choice``. ``reasoning_parser`` (the engine's)
+    splits a reasoning model's thinking from its answer.
     """
     model_name = served_model_name or engine.model_name
     adapters = LoRAAdapters(engine, (model_name, engine.model_name)) if enable_lora else None
     serving = OpenAIServing(engine, model_name, max_waiting_requests, adapters)
     completions = OpenAIServingCompletion(serving)
-    chat = OpenAIServingChat(serving, trust_request_chat_template, tool_call_parser)
+    chat = OpenAIServingChat(
+        serving,
+        trust_request_chat_template,
+        tool_call_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        reasoning_parser=reasoning_parser,
+    )
+    tokenization = OpenAIServingTokenization(serving, chat)
     if registry is None:
         registry = CollectorRegistry()
         engine.stat_loggers.append(
@@ -128,7 +147,14 @@ def build_app(
     )
     install_openapi(
         app,
-        [CompletionRequest, ChatCompletionRequest, *lora_bodies],
+        [
+            CompletionRequest,
+            ChatCompletionRequest,
+            TokenizeCompletionRequest,
+            TokenizeChatRequest,
+            DetokenizeRequest,
+            *lora_bodies,
+        ],
         [CompletionChunk, ChatCompletionChunk],
         None if enable_lora else sorted({model_name, engine.model_name}),
     )
@@ -150,6 +176,24 @@ def build_app(
     async def create_chat_completion(raw_request: Request) -> Response:
         request = await parse_body(raw_request, ChatCompletionRequest, max_request_bytes)
         return await chat.create(request, raw_request)
+
+    @app.post(
+        "/tokenize",
+        openapi_extra=json_body(TokenizeCompletionRequest, TokenizeChatRequest),
+        responses={200: {"model": TokenizeResponse}, **ERROR_RESPONSES},
+    )
+    async def tokenize(raw_request: Request) -> Response:
+        request = await parse_tokenize_body(raw_request, max_request_bytes)
+        return JSONResponse((await tokenization.tokenize(request)).model_dump())
+
+    @app.post(
+        "/detokenize",
+        openapi_extra=json_body(DetokenizeRequest),
+        responses={200: {"model": DetokenizeResponse}, **ERROR_RESPONSES},
+    )
+    async def detokenize(raw_request: Request) -> Response:
+        request = await parse_body(raw_request, DetokenizeRequest, max_request_bytes)
+        return JSONResponse((await tokenization.detokenize(request)).model_dump())
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> dict[str, Any]:
@@ -284,7 +328,10 @@ async def _serve(
     model_name = engine_args.config.frontend_config.served_model_name or (
         default_served_model_name(engine_args.model)
     )
-    engine = AsyncLLM.from_engine_args(engine_args)
+    try:
+        engine = AsyncLLM.from_engine_args(engine_args)
+    except ValueError as exc:  # an option the model cannot serve (it names the option)
+        raise SystemExit(f"tokenloom serve: {exc}") from None
     try:
         app = build_app(
             engine,
@@ -294,6 +341,8 @@ async def _serve(
             trust_request_chat_template=server_args.trust_request_chat_template,
             enable_lora=engine_args.config.frontend_config.enable_lora,
             tool_call_parser=server_args.tool_call_parser,
+            enable_auto_tool_choice=server_args.enable_auto_tool_choice,
+            reasoning_parser=engine_args.config.frontend_config.reasoning_parser,
         )
         adapters = app.state.serving.adapters
         for name, path in lora_modules:

@@ -1,8 +1,11 @@
 """POST /v1/chat/completions: messages through the model's chat template, optionally streamed.
 
-With ``tools``, the reply's tool calls are extracted by a tool-call parser
-(``tools.tool_parser_for``) and sent as ``message.tool_calls`` with
-``finish_reason: "tool_calls"``; streamed, as OpenAI's tool-call deltas.
+The generated text becomes the message through ``chat_reply.ReplyParser``:
+with ``--reasoning-parser`` the thinking goes to ``reasoning_content``; with
+``tools``, the calls that hold up (``tool_parsers/checked.py``) are sent as
+``message.tool_calls`` with ``finish_reason: "tool_calls"`` (``"length"``
+when ``max_tokens`` cut the output); streamed, as OpenAI's deltas, each
+call whole.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from tokenloom.engine.exceptions import EngineDeadError
+from tokenloom.engine.protocol import RenderedChat
 from tokenloom.outputs import CompletionOutput, RequestOutput
+from tokenloom.reasoning import StartPhase, get_reasoning_parser
 
+from .chat_reply import ReplyDelta, ReplyParser, ReplyStream
 from .errors import OpenAIError, from_value_error
 from .protocol import (
     ChatChoiceLogprobs,
@@ -23,6 +29,7 @@ from .protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatRenderFields,
     ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
@@ -44,17 +51,19 @@ from .serving_base import (
     sse_error,
     top_entries,
 )
-from .tool_parsers import ToolCallDelta, ToolCallStreamer, ToolParser
+from .tool_parsers import CheckedCall, ToolCallChecker, ToolParser
 from .tools import (
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,
     ToolCall,
     new_tool_call_id,
+    tool_checker,
     tool_parser_for,
 )
 
 logger = logging.getLogger(__name__)
+
 
 # What a render_chat ValueError may name (its message starts with the field).
 _TEMPLATE_FIELDS = {
@@ -86,16 +95,47 @@ class OpenAIServingChat:
         serving: OpenAIServing,
         trust_request_chat_template: bool = False,
         tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.serving = serving
         self.trust_request_chat_template = trust_request_chat_template
-        self.tool_call_parser = tool_call_parser
+        # tool_choice "auto" parses the output with this; None: "auto" is refused.
+        self.auto_tool_parser = tool_call_parser if enable_auto_tool_choice else None
+        self.reasoning = (
+            None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
+        )
 
-    def _tool_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
-        return tool_parser_for(request.tools, request.effective_tool_choice, self.tool_call_parser)
+    def _tool_parsing(
+        self, request: ChatCompletionRequest
+    ) -> tuple[ToolParser | None, ToolCallChecker | None]:
+        """The request's tool parser and checker (None, None: its output holds no calls)."""
+        try:
+            parser = tool_parser_for(
+                request.tools, request.effective_tool_choice, self.auto_tool_parser
+            )
+            if parser is None:
+                return None, None
+            return parser, tool_checker(request.tools or [], request.parallel_tool_calls)
+        except ValueError as exc:
+            raise from_value_error(exc, {"tools": "tools"}, "tool_choice") from exc
 
-    async def render(self, request: ChatCompletionRequest) -> list[int]:
-        """The prompt token ids of the conversation (rendered off the event loop by the engine)."""
+    def _reply_parser(
+        self,
+        tool_parsing: tuple[ToolParser | None, ToolCallChecker | None],
+        prompt_ids: list[int],
+    ) -> ReplyParser | None:
+        """How the output becomes the message; None: its text is the content as is."""
+        tools, checker = tool_parsing
+        if self.reasoning is None and tools is None:
+            return None
+        phase = StartPhase.ANSWER
+        if self.reasoning is not None:
+            phase = self.reasoning.prompt_phase(self.serving.tokenizer, prompt_ids)
+        return ReplyParser(self.reasoning, phase, tools, checker)
+
+    async def render(self, request: ChatRenderFields) -> RenderedChat:
+        """The conversation through the chat template (rendered off the event loop by the engine)."""
         if not self.trust_request_chat_template:
             if request.chat_template is not None:
                 raise OpenAIError(_UNTRUSTED_TEMPLATE, param="chat_template")
@@ -108,7 +148,7 @@ class OpenAIServingChat:
             raise from_value_error(exc, _TEMPLATE_FIELDS, "messages") from exc
         except EngineDeadError as exc:
             raise OpenAIError(f"the engine is dead: {exc}", status=500) from exc
-        return rendered.token_ids
+        return rendered
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         serving = self.serving
@@ -121,8 +161,10 @@ class OpenAIServingChat:
         # The engine's checks of the constraint name structured_outputs: blame
         # the request field it came from.
         fields["structured_outputs"] = request.output_constraint()[1] or "structured_outputs"
+        tool_parsing = self._tool_parsing(request)  # refused before anything runs
         serving.check_capacity(1)
-        prompt_ids = await self.render(request)
+        prompt_ids = (await self.render(request)).token_ids
+        reply = self._reply_parser(tool_parsing, prompt_ids)
         request_id = new_request_id("chatcmpl")
         stream = serving.generate(
             prompt_ids,
@@ -137,32 +179,30 @@ class OpenAIServingChat:
         if request.stream:
             [primed] = await serving.until_ready(raw_request, [prime(stream)], [stream])
             return StreamingResponse(
-                self._stream(request, request_id, primed), media_type="text/event-stream"
+                self._stream(request, request_id, primed, reply), media_type="text/event-stream"
             )
         [final] = await serving.until_ready(raw_request, [last_output(stream)], [stream])
-        return await json_response(lambda: self._response(request, request_id, final))
+        return await json_response(lambda: self._response(request, request_id, final, reply))
 
     def _response(
-        self, request: ChatCompletionRequest, request_id: str, final: RequestOutput
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        final: RequestOutput,
+        reply: ReplyParser | None,
     ) -> ChatCompletionResponse:
         choices = []
         for out in sorted(final.outputs, key=lambda o: o.index):
             message = ChatResponseMessage(content=out.text)
             finish_reason = out.finish_reason
-            parser = self._tool_parser(request)
-            if parser is not None:
-                parsed = parser.parse(out.text, final=True)
-                calls = [c for c in parsed.calls if c.name is not None]
-                if calls:
-                    message = ChatResponseMessage(
-                        content=parsed.content,
-                        tool_calls=[
-                            ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments))
-                            for c in calls
-                            if c.name is not None
-                        ],
-                    )
-                    finish_reason = _tool_finish(finish_reason)
+            if reply is not None:
+                view = reply.view(out.text, final=True)
+                message = ChatResponseMessage(
+                    content=view.content or None,
+                    reasoning_content=view.reasoning or None,
+                    tool_calls=[_tool_call(call) for call in view.calls] or None,
+                )
+                finish_reason = _finish_reason(finish_reason, len(view.calls))
             choices.append(
                 ChatCompletionChoice(
                     index=out.index,
@@ -187,6 +227,7 @@ class OpenAIServingChat:
         request: ChatCompletionRequest,
         request_id: str,
         stream: AsyncIterator[RequestOutput],
+        reply: ReplyParser | None,
     ) -> AsyncIterator[str]:
         model = self.serving.model_name
         include_usage = request.include_usage_in_stream
@@ -196,10 +237,8 @@ class OpenAIServingChat:
             return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]), drop=drop)
 
         prompt_tokens = completion_tokens = 0
-        # Per choice with tools: the text so far and what of it was already sent.
-        tool_streams = {}
-        if self._tool_parser(request) is not None:
-            tool_streams = {i: _ToolStream(self._tool_parser(request)) for i in range(request.n)}
+        # Per choice, with a reply parser: the text so far and what of it was sent.
+        replies = {} if reply is None else {i: _ChoiceStream(reply) for i in range(request.n)}
         try:
             for index in range(request.n):
                 role = DeltaMessage(role="assistant", content="")
@@ -212,15 +251,16 @@ class OpenAIServingChat:
                     if request.logprobs and out.token_ids:
                         logprobs = self._logprobs(out, request.top_logprobs or 0)
                     finish_reason = out.finish_reason
-                    tools = tool_streams.get(out.index)
-                    if tools is not None:
-                        delta = tools.feed(out.text, finished=finish_reason is not None)
-                        if tools.num_calls and finish_reason is not None:
-                            finish_reason = _tool_finish(finish_reason)
+                    choice_stream = replies.get(out.index)
+                    if choice_stream is not None:
+                        delta = choice_stream.feed(out.text, finished=finish_reason is not None)
+                        if finish_reason is not None:
+                            finish_reason = _finish_reason(finish_reason, choice_stream.num_calls)
                     else:
                         delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
                     if (
                         delta.content is None
+                        and delta.reasoning_content is None
                         and delta.tool_calls is None
                         and logprobs is None
                         and finish_reason is None
@@ -271,43 +311,43 @@ class OpenAIServingChat:
         return ChatChoiceLogprobs(content=content)
 
 
-class _ToolStream:
-    """One streamed choice of a request with tools: text in, content and tool-call deltas out."""
+class _ChoiceStream:
+    """One streamed choice: text deltas in, OpenAI message deltas out."""
 
-    def __init__(self, parser: ToolParser | None) -> None:
-        assert parser is not None
-        self.streamer = ToolCallStreamer(parser)
-        self.text = ""
-        self.ids: list[str] = []
+    def __init__(self, parser: ReplyParser) -> None:
+        self.reply = ReplyStream(parser)
 
     @property
     def num_calls(self) -> int:
-        return self.streamer.num_calls
+        return self.reply.num_calls
 
     def feed(self, text_delta: str, *, finished: bool) -> DeltaMessage:
-        self.text += text_delta
-        content, deltas = self.streamer.update(self.text, final=finished)
-        calls = [self._delta(d) for d in deltas]
-        return DeltaMessage(content=content or None, tool_calls=calls or None)
-
-    def _delta(self, delta: ToolCallDelta) -> DeltaToolCall:
-        if delta.name is not None:
-            # The first fragment of a call: its id, type and name (OpenAI's order).
-            self.ids.append(new_tool_call_id())
-            return DeltaToolCall(
-                index=delta.index,
-                id=self.ids[delta.index],
+        delta: ReplyDelta = self.reply.feed(text_delta, finished=finished)
+        calls = [
+            # Each call goes out whole: id, type, name and all its arguments.
+            DeltaToolCall(
+                index=index,
+                id=new_tool_call_id(),
                 type="function",
-                function=DeltaFunctionCall(name=delta.name, arguments=delta.arguments),
+                function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
             )
-        return DeltaToolCall(
-            index=delta.index, function=DeltaFunctionCall(arguments=delta.arguments)
+            for index, call in delta.calls
+        ]
+        return DeltaMessage(
+            content=delta.content or None,
+            reasoning_content=delta.reasoning or None,
+            tool_calls=calls or None,
         )
 
 
-def _tool_finish(finish_reason: str | None) -> str | None:
-    """A reply that made tool calls and stopped by itself finished with ``tool_calls``."""
-    return "tool_calls" if finish_reason == "stop" else finish_reason
+def _tool_call(call: CheckedCall) -> ToolCall:
+    return ToolCall(function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _finish_reason(finish_reason: str | None, num_calls: int) -> str | None:
+    """A reply that made tool calls and stopped by itself finished with ``tool_calls``;
+    one cut by ``max_tokens`` says ``length``, whatever calls it holds."""
+    return "tool_calls" if finish_reason == "stop" and num_calls else finish_reason
 
 
 def _utf8(text: str) -> list[int]:

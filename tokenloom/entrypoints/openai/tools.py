@@ -3,13 +3,16 @@
 ``tool_choice`` decides how calls are produced:
 
 * ``none``: tools are not shown to the model and no calls are parsed.
-* ``auto`` (the default with tools): the chat template renders the tools and
+* ``auto`` (the default with tools; the server needs
+  ``--enable-auto-tool-choice``): the chat template renders the tools and
   the server's tool-call parser (``--tool-call-parser``) extracts calls
   from whatever the model writes.
 * ``required``: a grammar forces a JSON array of ``{"name", "parameters"}``
   objects whose parameters match the named function's schema (one call
   unless ``parallel_tool_calls``), so every call parses and validates.
 * a named function: a grammar forces that function's arguments object.
+
+Whatever the choice, only calls that hold up are returned (``tool_parsers/checked.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenloom.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
+from tokenloom.entrypoints.openai.tool_parsers import (
+    ToolCallChecker,
+    ToolParser,
+    get_tool_parser,
+)
 from tokenloom.entrypoints.openai.tool_parsers.constrained import (
     NamedToolParser,
     RequiredToolParser,
@@ -163,8 +170,9 @@ def tool_parser_for(
 ) -> ToolParser | None:
     """The parser for one request's output, or None when it cannot contain calls.
 
-    ``auto`` needs the server's ``--tool-call-parser``; without one, calls
-    are left in the content (as vLLM does without ``--enable-auto-tool-choice``).
+    ``auto`` needs the server's ``--enable-auto-tool-choice`` (``auto_parser``
+    is then its ``--tool-call-parser``); without it a ``ValueError`` naming
+    ``tool_choice``, as vLLM answers.
     """
     if not tools or tool_choice == "none":
         return None
@@ -173,8 +181,21 @@ def tool_parser_for(
     if isinstance(tool_choice, ChatCompletionNamedToolChoiceParam):
         return NamedToolParser(tool_choice.function.name)
     if auto_parser is None:
-        return None
+        raise ValueError(
+            'tool_choice "auto" (the default with tools) needs a server started with '
+            '--enable-auto-tool-choice; "required", "none" or a named function work without'
+        )
     return get_tool_parser(auto_parser)()
+
+
+def tool_checker(
+    tools: list[ChatCompletionToolsParam], parallel_tool_calls: bool
+) -> ToolCallChecker:
+    """What a request's returned calls must satisfy; ``ValueError`` naming ``tools``
+    for a function whose parameters are not a JSON schema."""
+    return ToolCallChecker(
+        {tool.function.name: tool.function.parameters for tool in tools}, parallel_tool_calls
+    )
 
 
 def _describe(tool_choice: ToolChoice) -> str:

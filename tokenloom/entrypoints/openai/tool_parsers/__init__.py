@@ -1,8 +1,9 @@
-"""Tool-call parsers, by name (``--tool-call-parser``).
+"""Tool-call parsers, by name (``--tool-call-parser``, vLLM's names).
 
-A parser extracts OpenAI tool calls from the text a model generated for
-``tool_choice: "auto"``. Others join the registry with
-``@register_tool_parser("name")`` on a ``ToolParser`` subclass.
+A parser cuts the text a model generated for ``tool_choice: "auto"`` into
+content and tool calls (``hermes``, ``llama3_json``, ``pythonic``);
+``checked.py`` decides which calls a client gets. Others join the registry
+with ``@register_tool_parser("name")`` on a ``ToolParser`` subclass.
 """
 
 from __future__ import annotations
@@ -10,13 +11,19 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tokenloom.entrypoints.openai.tool_parsers.base import (
-    ParsedOutput,
     ParsedToolCall,
-    ToolCallDelta,
-    ToolCallStreamer,
+    Segment,
     ToolParser,
 )
+from tokenloom.entrypoints.openai.tool_parsers.checked import (
+    CheckedCall,
+    SettledOutput,
+    ToolCallChecker,
+    settle,
+)
 from tokenloom.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from tokenloom.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from tokenloom.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
 
 _REGISTRY: dict[str, type[ToolParser]] = {}
 
@@ -50,16 +57,22 @@ def tool_parser_names() -> list[str]:
 
 
 register_tool_parser(DEFAULT_TOOL_CALL_PARSER)(HermesToolParser)
+register_tool_parser("llama3_json")(Llama3JsonToolParser)
+register_tool_parser("pythonic")(PythonicToolParser)
 
 __all__ = [
     "DEFAULT_TOOL_CALL_PARSER",
+    "CheckedCall",
     "HermesToolParser",
-    "ParsedOutput",
+    "Llama3JsonToolParser",
     "ParsedToolCall",
-    "ToolCallDelta",
-    "ToolCallStreamer",
+    "PythonicToolParser",
+    "Segment",
+    "SettledOutput",
+    "ToolCallChecker",
     "ToolParser",
     "get_tool_parser",
     "register_tool_parser",
+    "settle",
     "tool_parser_names",
 ]

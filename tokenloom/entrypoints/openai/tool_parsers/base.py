@@ -1,16 +1,12 @@
-"""What every tool-call parser provides, and the streaming that all of them share.
+"""What every tool-call parser provides: the output as text and calls, in order.
 
-A parser turns generated text into ``(content, calls)``. It is written once,
-as ``parse(text, final)``: with ``final=False`` the text is a prefix of the
-output and the parser reports only what is certain so far (a name once its
-closing quote arrived, the part of the arguments that is surely theirs);
-with ``final=True`` it reports everything. Streaming re-parses the text after
-each delta and sends the difference (``ToolCallStreamer``), so streamed
-deltas always reassemble to exactly what the non-streamed response carries.
-
-Arguments are reported as the raw JSON text the model wrote for them (not
-re-serialised), which is what makes every partial view a prefix of the final
-one.
+A parser is written once, as ``segments(text, final)``: the output cut into
+content text and tool calls as the model wrote them. With ``final=False``
+the text is a prefix of the output, and every segment but the last is
+final: the last may be text still growing (with a possible start of a call
+held back) or a call not finished yet. Whether a call can be trusted (its
+JSON, its function, its schema) is decided elsewhere (``checked.py``), once
+the call is finished, so whole and streamed responses carry the same calls.
 """
 
 from __future__ import annotations
@@ -18,91 +14,53 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from tokenloom.reasoning.parser import held_back_end
 
 
 @dataclass
 class ParsedToolCall:
-    """One call as seen so far: ``name`` is None until it is complete."""
+    """One call as written.
+
+    ``name`` is None until known (or when the call is not a call at all);
+    ``arguments`` is the JSON text of its arguments; ``complete`` once the
+    call is finished (closed). ``raw`` is its text as the model wrote it.
+    """
 
     name: str | None
     arguments: str = ""
     complete: bool = False
+    raw: str = ""
 
 
-@dataclass
-class ParsedOutput:
-    """``content`` is the text outside tool calls (None when there is none)."""
-
-    content: str | None
-    calls: list[ParsedToolCall] = field(default_factory=list)
+Segment = str | ParsedToolCall
 
 
 class ToolParser(ABC):
-    """Extracts tool calls from generated text; one instance per request."""
+    """Finds tool calls in generated text; stateless, so one instance serves every request."""
+
+    # The text of a call that cannot be trusted (bad JSON, unknown function, a
+    # schema violation, cut off) goes back into the content: the model wrote it.
+    # Parsers of grammar-forced output (whose text is never a message) say no.
+    failed_calls_are_content: ClassVar[bool] = True
 
     @abstractmethod
-    def parse(self, text: str, final: bool) -> ParsedOutput:
-        """Content and calls in ``text`` (the whole output so far)."""
+    def segments(self, text: str, final: bool) -> list[Segment]:
+        """``text`` (the output so far, all of it if ``final``) as content and calls."""
 
 
-@dataclass
-class ToolCallDelta:
-    """A streamed fragment of call ``index``: its name (first) or more arguments."""
-
-    index: int
-    name: str | None = None
-    arguments: str = ""
-
-
-class ToolCallStreamer:
-    """Turns growing output text into content and tool-call deltas.
-
-    ``update(text)`` takes the whole output so far and returns what is new
-    since the previous call; ``finish(text)`` flushes the rest. Names go out
-    first, each call's arguments after its name, in order.
-    """
-
-    def __init__(self, parser: ToolParser) -> None:
-        self.parser = parser
-        self._content_sent = 0
-        self._names_sent = 0
-        self._args_sent: list[int] = []
-
-    def update(self, text: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
-        parsed = self.parser.parse(text, final)
-        content = parsed.content or ""
-        new_content = content[self._content_sent :]
-        self._content_sent = max(self._content_sent, len(content))
-        deltas: list[ToolCallDelta] = []
-        for index, call in enumerate(parsed.calls):
-            if index >= self._names_sent:
-                if call.name is None:
-                    break
-                deltas.append(ToolCallDelta(index, name=call.name))
-                self._names_sent = index + 1
-                self._args_sent.append(0)
-            sent = self._args_sent[index]
-            if len(call.arguments) > sent:
-                fragment = call.arguments[sent:]
-                if deltas and deltas[-1].index == index and not deltas[-1].arguments:
-                    deltas[-1].arguments = fragment
-                else:
-                    deltas.append(ToolCallDelta(index, arguments=fragment))
-                self._args_sent[index] = len(call.arguments)
-        return new_content, deltas
-
-    def finish(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        return self.update(text, final=True)
-
-    @property
-    def num_calls(self) -> int:
-        return self._names_sent
+def text_segment(text: str, final: bool, *markers: str) -> list[Segment]:
+    """``text`` as one content segment, less a possible start of a marker at its end."""
+    if not final:
+        text = text[: min((held_back_end(text, m) for m in markers), default=len(text))]
+    return [text] if text else []
 
 
 # ---------------------------------------------------------------- JSON scanning
 
-_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_SCALAR = re.compile(r"-?[0-9.eE+\-]+|true|false|null")
 
 
 def scan_json_value(text: str, start: int) -> tuple[int, bool]:
@@ -117,71 +75,64 @@ def scan_json_value(text: str, start: int) -> tuple[int, bool]:
     n = len(text)
     if start >= n:
         return start, False
-    first = text[start]
-    if first not in '{["':
-        match = re.compile(r"-?[0-9.eE+\-]+|true|false|null").match(text, start)
+    if text[start] not in '{["':
+        match = _SCALAR.match(text, start)
         if match is None or match.end() == n:
             return start, False
         return match.end(), True
-    depth = 0
-    in_string = False
+    end = balanced_end(text, start, '"')
+    return (n, False) if end is None else (end, True)
+
+
+_CLOSERS = {"(": ")", "[": "]", "{": "}"}
+
+
+def balanced_end(text: str, start: int, quotes: str) -> int | None:
+    """The index after the bracketed group or string opening at ``text[start]``
+    (None while it is open).
+
+    Strings open and close with any of ``quotes`` and take backslash escapes.
+    A closing bracket that does not match ends the group there: what it
+    holds will not parse, and no more text can change that.
+    """
+    stack: list[str] = []
+    quote = ""
     escaped = False
-    i = start
-    while i < n:
+    for i in range(start, len(text)):
         ch = text[i]
-        if in_string:
+        if quote:
             if escaped:
                 escaped = False
             elif ch == "\\":
                 escaped = True
-            elif ch == '"':
-                in_string = False
-                if depth == 0:
-                    return i + 1, True
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1, True
-        i += 1
-    return n, False
+            elif ch == quote:
+                quote = ""
+                if not stack:
+                    return i + 1
+        elif ch in quotes:
+            quote = ch
+        elif ch in _CLOSERS:
+            stack.append(_CLOSERS[ch])
+        elif ch in ")]}":
+            if not stack or stack.pop() != ch or not stack:
+                return i + 1
+    return None
 
 
-def parse_call_object(
-    text: str, pos: int, args_key: str
-) -> tuple[ParsedToolCall | None, int | None]:
-    """Parse ``{"name": ..., "<args_key>": ...}`` at ``pos`` (leading spaces allowed).
+def json_call(block: str, args_keys: tuple[str, ...], raw: str) -> ParsedToolCall:
+    """A finished call written as one JSON object, ``{"name": ..., <args key>: {...}}``,
+    whose text as written is ``raw``.
 
-    Returns the call seen so far (None before its name is complete) and the
-    index after the object's closing brace (None until it closed).
+    Keys may come in any order; the first of ``args_keys`` present holds the
+    arguments (none: no arguments). Anything else is a call without a name,
+    which no check accepts.
     """
-    match = _NAME.match(text, pos)
-    if match is None:
-        return None, None
-    name = json.loads(f'"{match.group(1)}"')
-    key = re.compile(r'\s*,\s*"' + re.escape(args_key) + r'"\s*:\s*').match(text, match.end())
-    if key is None:
-        return ParsedToolCall(name), None
-    end, complete = scan_json_value(text, key.end())
-    arguments = text[key.end() : end]
-    if not complete:
-        return ParsedToolCall(name, arguments), None
-    close = re.compile(r"\s*\}").match(text, end)
-    if close is None:
-        return ParsedToolCall(name, arguments, complete=True), None
-    return ParsedToolCall(name, arguments, complete=True), close.end()
-
-
-def loose_call(block: str, args_key: str) -> ParsedToolCall | None:
-    """A finished call whose keys are not in the usual order: parse it as JSON."""
+    failed = ParsedToolCall(None, complete=True, raw=raw)
     try:
         obj = json.loads(block)
     except ValueError:
-        return None
+        return failed
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
-    return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False), complete=True)
+        return failed
+    args: Any = next((obj[k] for k in args_keys if k in obj), {})
+    return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False), True, raw)

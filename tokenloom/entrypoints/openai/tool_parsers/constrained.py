@@ -3,6 +3,9 @@
 * required: a JSON array of ``{"name": ..., "parameters": {...}}`` objects
   (vLLM's format), at least one, exactly one without ``parallel_tool_calls``.
 * named: the output is the function's arguments object itself.
+
+The grammar makes every finished call valid; an output cut short (by
+``max_tokens``) leaves an unfinished last call, which is no call.
 """
 
 from __future__ import annotations
@@ -10,43 +13,50 @@ from __future__ import annotations
 import re
 
 from tokenloom.entrypoints.openai.tool_parsers.base import (
-    ParsedOutput,
     ParsedToolCall,
+    Segment,
     ToolParser,
-    parse_call_object,
+    json_call,
+    scan_json_value,
 )
 
-_SEPARATOR = re.compile(r"\s*(,|\])")
+_OPEN = re.compile(r"\s*\[\s*")
+_SEPARATOR = re.compile(r"\s*,\s*")
 
 
 class RequiredToolParser(ToolParser):
     """``[{"name": "f", "parameters": {...}}, ...]``."""
 
-    def parse(self, text: str, final: bool) -> ParsedOutput:
-        calls: list[ParsedToolCall] = []
-        start = re.compile(r"\s*\[").match(text)
+    failed_calls_are_content = False
+
+    def segments(self, text: str, final: bool) -> list[Segment]:
+        segments: list[Segment] = []
+        start = _OPEN.match(text)
         if start is None:
-            return ParsedOutput(None, calls)
+            return segments
         pos = start.end()
-        while True:
-            call, end = parse_call_object(text, pos, "parameters")
-            if call is None:
+        while pos < len(text):
+            end, complete = scan_json_value(text, pos)
+            if not complete:
+                segments.append(ParsedToolCall(None, raw=text[pos:]))
                 break
-            calls.append(call)
-            if end is None:
-                break
+            segments.append(json_call(text[pos:end], ("parameters",), text[pos:end]))
             sep = _SEPARATOR.match(text, end)
-            if sep is None or sep.group(1) == "]":
+            if sep is None:
                 break
             pos = sep.end()
-        return ParsedOutput(None, calls)
+        return segments
 
 
 class NamedToolParser(ToolParser):
     """The whole output is the arguments of the one function the request named."""
 
+    failed_calls_are_content = False
+
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def parse(self, text: str, final: bool) -> ParsedOutput:
-        return ParsedOutput(None, [ParsedToolCall(self.name, text.strip(), complete=final)])
+    def segments(self, text: str, final: bool) -> list[Segment]:
+        start = len(text) - len(text.lstrip())
+        end, complete = scan_json_value(text, start)
+        return [ParsedToolCall(self.name, text[start:end], complete=complete, raw=text)]

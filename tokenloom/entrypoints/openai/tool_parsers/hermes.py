@@ -1,58 +1,49 @@
 """The Hermes tool-call format (NousResearch Hermes, Qwen, the bundled template).
 
-Calls are JSON objects between tags, any text before them is content::
+Calls are JSON objects between tags; text around them is content::
 
     Let me look that up.
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
+
+A call whose closing tag never came (the model stopped after the object) is
+still a call if its JSON is whole.
 """
 
 from __future__ import annotations
 
 from tokenloom.entrypoints.openai.tool_parsers.base import (
-    ParsedOutput,
     ParsedToolCall,
+    Segment,
     ToolParser,
-    loose_call,
-    parse_call_object,
+    json_call,
+    text_segment,
 )
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
+_ARGS_KEYS = ("arguments", "parameters")
 
 
 class HermesToolParser(ToolParser):
-    def parse(self, text: str, final: bool) -> ParsedOutput:
-        first = text.find(TOOL_CALL_START)
-        if first < 0:
-            cut = len(text) if final else _safe_end(text, TOOL_CALL_START)
-            return ParsedOutput(_content(text[:cut]))
-        calls: list[ParsedToolCall] = []
-        pos = first
-        while pos >= 0:
-            body = pos + len(TOOL_CALL_START)
+    def segments(self, text: str, final: bool) -> list[Segment]:
+        segments: list[Segment] = []
+        pos = 0
+        while True:
+            start = text.find(TOOL_CALL_START, pos)
+            if start < 0:
+                return segments + text_segment(text[pos:], final, TOOL_CALL_START)
+            if start > pos:
+                segments.append(text[pos:start])
+            body = start + len(TOOL_CALL_START)
             close = text.find(TOOL_CALL_END, body)
-            block = text[body:] if close < 0 else text[body:close]
-            call, _ = parse_call_object(block, 0, "arguments")
-            if (close >= 0 or final) and (call is None or not call.complete):
-                call = loose_call(block.strip(), "arguments") or call
-            if call is None:
-                break
-            calls.append(call)
             if close < 0:
-                break
-            pos = text.find(TOOL_CALL_START, close + len(TOOL_CALL_END))
-        return ParsedOutput(_content(text[:first]), calls)
-
-
-def _content(text: str) -> str | None:
-    return text.strip() or None
-
-
-def _safe_end(text: str, tag: str) -> int:
-    """Where to cut ``text`` so that no partial ``tag`` at its end is shown as content."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return len(text) - size
-    return len(text)
+                if final:
+                    segments.append(json_call(text[body:].strip(), _ARGS_KEYS, text[start:]))
+                else:
+                    segments.append(ParsedToolCall(None, raw=text[start:]))
+                return segments
+            end = close + len(TOOL_CALL_END)
+            segments.append(json_call(text[body:close].strip(), _ARGS_KEYS, text[start:end]))
+            pos = end
