@@ -212,6 +212,26 @@ class SchedulerConfig:
         'or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}; '
         "optional disable_by_batch_size (default: off)",
     )
+    # Encoder inputs (images): both count encoder output rows, one per placeholder
+    # token, and the scheduler raises both to the model's largest single item.
+    max_num_encoder_input_tokens: int | None = option(
+        None,
+        ge=1,
+        help="image tokens the vision encoder may compute in one step "
+        "(default: --max-num-batched-tokens)",
+    )
+    encoder_cache_size: int | None = option(
+        None,
+        ge=1,
+        help="vision encoder outputs the runner keeps for reuse, in image tokens "
+        "(default: --max-num-batched-tokens)",
+    )
+    enable_encoder_cache: bool = option(
+        True,
+        help="share one vision encoder output between the requests that show the same image, "
+        "and keep it after them until its room is needed (off: every request encodes its own "
+        "images)",
+    )
 
     def __post_init__(self) -> None:
         validate(self)
