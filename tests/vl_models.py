@@ -186,3 +186,33 @@ def random_image(seed: int, width: int = 40, height: int = 32) -> Image.Image:
 
 def image_identifier(image: Image.Image) -> str:
     return hashlib.sha256(image.tobytes()).hexdigest()
+
+
+def reference_logits(
+    hf_model: torch.nn.Module, path: Path, token_ids: list[int], images: list
+) -> torch.Tensor:
+    """transformers' logits [len(token_ids), vocab] for a prompt whose placeholders are
+    expanded (as the engine reports ``prompt_token_ids``), its images given in order."""
+    from transformers import AutoImageProcessor
+
+    ids = torch.tensor([token_ids])
+    kwargs: dict = {}
+    if images:
+        processor = AutoImageProcessor.from_pretrained(str(path), backend="pil")
+        inputs = processor(images=images, return_tensors="pt")
+        kwargs["pixel_values"] = inputs["pixel_values"]
+        if "image_grid_thw" in inputs:
+            kwargs["image_grid_thw"] = inputs["image_grid_thw"]
+            kwargs["mm_token_type_ids"] = (ids == hf_model.config.image_token_id).int()
+    with torch.inference_mode():
+        return hf_model(input_ids=ids, **kwargs).logits[0].float()
+
+
+def reference_greedy(
+    hf_model: torch.nn.Module, path: Path, token_ids: list[int], images: list, max_tokens: int
+) -> list[int]:
+    """transformers' greedy continuation, one full forward per token."""
+    sequence = list(token_ids)
+    for _ in range(max_tokens):
+        sequence.append(int(reference_logits(hf_model, path, sequence, images)[-1].argmax()))
+    return sequence[len(token_ids) :]
