@@ -75,6 +75,22 @@ def test_the_same_image_in_a_repeated_prompt_hits_the_prefix_cache(
     assert multimodal.num_encoded == 2
 
 
+def test_without_the_encoder_cache_each_request_encodes_its_image(
+    llava: tuple[Any, Path],
+) -> None:
+    """(What the encoder-cache benchmark compares against.) Two requests showing one
+    image in one step: encoded once with the cache, twice without; the same tokens."""
+    _, path = llava
+    image = random_image(12, 48, 40)
+    prompts = [_prompt("llava", image, f"Question {i}?") for i in range(2)]
+    outputs = {}
+    for share in (True, False):
+        llm = LLM(str(path), enable_prefix_caching=False, enable_encoder_cache=share, **ENGINE)
+        outputs[share] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        assert llm.client.core.runner.multimodal.num_encoded == (1 if share else 2)
+    assert outputs[True] == outputs[False]
+
+
 def test_preempted_image_requests_finish_as_if_alone(llava: tuple[Any, Path]) -> None:
     _, path = llava
     prompts = [_prompt("llava", random_image(20 + i, 48, 40), f"Tell me {i}.") for i in range(6)]

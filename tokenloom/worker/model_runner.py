@@ -147,7 +147,13 @@ class ModelRunner:
         self.multimodal: MultiModalRunner | None = None
         self.max_tokens_per_mm_item = 0
         if self.arch.vision is not None:
-            self.multimodal = MultiModalRunner(self.model, self.arch, self.model_path, self.device)
+            self.multimodal = MultiModalRunner(
+                self.model,
+                self.arch,
+                self.model_path,
+                self.device,
+                share=scheduler_config.enable_encoder_cache,
+            )
             self.max_tokens_per_mm_item = self.multimodal.max_tokens_per_item
 
     def _num_kv_blocks(self) -> int:

@@ -44,11 +44,22 @@ class MultiModalRunner:
     ``num_unscheduled_encodes`` counts images a step needed that the scheduler
     had not scheduled (encoded then, so the step stays correct; 0 unless the
     scheduler errs).
+
+    ``share=False`` (the encoder cache disabled, for measuring it): each request
+    scheduled to encode an image encodes it, even when another request in the
+    same step shows the same image.
     """
 
     def __init__(
-        self, model: torch.nn.Module, arch: ModelArchConfig, model_path: Path, device: torch.device
+        self,
+        model: torch.nn.Module,
+        arch: ModelArchConfig,
+        model_path: Path,
+        device: torch.device,
+        *,
+        share: bool = True,
     ) -> None:
+        self.share = share
         assert arch.vision is not None
         self.model = model
         self.device = device
@@ -77,12 +88,16 @@ class MultiModalRunner:
                         len(new.prompt_token_ids), new.mm_features
                     )
         todo: dict[str, MultiModalFeatureSpec] = {}
+        repeats: list[MultiModalFeatureSpec] = []
         for req_id, input_ids in scheduler_output.scheduled_encoder_inputs.items():
             features = self.features[req_id]
             for i in input_ids:
+                if features[i].identifier in todo and not self.share:
+                    repeats.append(features[i])
                 todo.setdefault(features[i].identifier, features[i])
         if todo:
-            self._encode(list(todo.values()))
+            # Unshared, the repeats are encoded too (their outputs equal the first's).
+            self._encode(list(todo.values()) + repeats)
 
     def prepare(self, step: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(input embeddings with images in place, or None when the step computes no
