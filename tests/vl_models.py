@@ -82,9 +82,19 @@ def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def make_llava(out: Path, tower: str = "clip", seed: int = 0) -> torch.nn.Module:
+def make_llava(
+    out: Path,
+    tower: str = "clip",
+    seed: int = 0,
+    *,
+    vision_sizes: dict | None = None,
+    text_sizes: dict | None = None,
+) -> torch.nn.Module:
     """A LLaVA with a CLIP (or SigLIP) tower of 28x28-pixel images in 7-pixel patches:
-    16 placeholder tokens per image. Returns the transformers model (fp32, eager)."""
+    16 placeholder tokens per image. Returns the transformers model (fp32, eager).
+
+    ``vision_sizes`` and ``text_sizes`` override the tower's and the text model's
+    config (``image_size`` and ``patch_size`` included; the benchmarks' larger models)."""
     from transformers import (
         CLIPImageProcessorPil,
         CLIPVisionConfig,
@@ -104,18 +114,20 @@ def make_llava(out: Path, tower: str = "clip", seed: int = 0) -> torch.nn.Module
         image_size=28,
         patch_size=7,
     )
+    vision.update(vision_sizes or {})
+    side = vision["image_size"]
     if tower == "clip":
         vision_config = CLIPVisionConfig(**vision, projection_dim=32)
         processor = CLIPImageProcessorPil(
-            size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
+            size={"shortest_edge": side}, crop_size={"height": side, "width": side}
         )
     else:
         vision_config = SiglipVisionConfig(**vision)
-        processor = SiglipImageProcessorPil(size={"height": 28, "width": 28})
+        processor = SiglipImageProcessorPil(size={"height": side, "width": side})
     config = LlavaConfig(
         vision_config=vision_config,
         text_config=LlamaConfig(
-            **TEXT,
+            **{**TEXT, **(text_sizes or {})},
             vocab_size=len(tokenizer),
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
