@@ -6,6 +6,8 @@ transformers."""
 
 from __future__ import annotations
 
+import base64
+import io
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,34 @@ def test_without_the_encoder_cache_each_request_encodes_its_image(
         outputs[share] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
         assert llm.client.core.runner.multimodal.num_encoded == (1 if share else 2)
     assert outputs[True] == outputs[False]
+
+
+def test_llm_chat_takes_image_parts_as_generate_takes_images(llava: tuple[Any, Path]) -> None:
+    """vLLM's offline chat: ``image_pil`` and ``image_url`` (a data URL) parts give the
+    prompt and tokens that ``generate`` gives for the template's text and the image;
+    a bad image is a ValueError naming its part, before anything is queued."""
+    _, path = llava
+    llm = LLM(str(path), **ENGINE)
+    image = random_image(13, 48, 40)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    question = {"type": "text", "text": "What is it?"}
+    by_generate = llm.generate(
+        {"prompt": "USER: <image>\nWhat is it?ASSISTANT:", "multi_modal_data": {"image": image}},
+        GREEDY,
+    )[0]
+    for part in (
+        {"type": "image_pil", "image_pil": image},
+        {"type": "image_url", "image_url": {"url": url}},
+    ):
+        [by_chat] = llm.chat([{"role": "user", "content": [part, question]}], GREEDY)
+        assert by_chat.prompt_token_ids == by_generate.prompt_token_ids
+        assert by_chat.outputs[0].token_ids == by_generate.outputs[0].token_ids
+    bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[1\]\.image_url: "):
+        llm.chat([{"role": "user", "content": [question, bad]}], GREEDY)
+    assert llm.client.core.scheduler.get_num_unfinished_requests() == 0
 
 
 def test_preempted_image_requests_finish_as_if_alone(llava: tuple[Any, Path]) -> None:
