@@ -149,6 +149,11 @@ def main() -> None:
         medians = [statistics.median(run[k] for run in runs[on]) for k in keys]
         cells = [f"{m:.3f}" if isinstance(m, float) else str(m) for m in medians]
         print(f"| {'on' if on else 'off'} | " + " | ".join(cells) + " |")
+    # Each repeat ran both back to back: their ratio is the least disturbed by a
+    # machine whose speed drifts between repeats.
+    ratios = [off["wall_s"] / on["wall_s"] for on, off in zip(runs[True], runs[False], strict=True)]
+    print(f"wall off/on per repeat: {', '.join(f'{r:.2f}' for r in ratios)}; "
+          f"median {statistics.median(ratios):.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":
