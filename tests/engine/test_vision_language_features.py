@@ -123,12 +123,12 @@ def test_llm_chat_takes_image_parts_as_generate_takes_images(llava: tuple[Any, P
 
 def test_preempted_image_requests_finish_as_if_alone(llava: tuple[Any, Path]) -> None:
     _, path = llava
-    prompts = [_prompt("llava", random_image(20 + i, 48, 40), f"Tell me {i}.") for i in range(6)]
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [_prompt("llava", random_image(20 + i, 48, 40), f"Tell me {i}.") for i in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     roomy = LLM(str(path), num_blocks=128, **ENGINE)
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
-    # 12 blocks of 16 tokens cannot hold six requests of ~70 tokens at once.
-    tight = LLM(str(path), num_blocks=13, enable_prefix_caching=False, **ENGINE)
+    # 8 blocks of 16 tokens cannot hold four requests of ~55 tokens at once.
+    tight = LLM(str(path), num_blocks=9, enable_prefix_caching=False, **ENGINE)
     preemptions = _count_calls(tight.client.core.scheduler, "_preempt")
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
     assert preemptions[0] > 0
