@@ -119,6 +119,13 @@ def test_llm_chat_takes_image_parts_as_generate_takes_images(llava: tuple[Any, P
     with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[1\]\.image_url: "):
         llm.chat([{"role": "user", "content": [question, bad]}], GREEDY)
     assert llm.client.core.scheduler.get_num_unfinished_requests() == 0
+    # A placeholder written as text, without its image, is refused too.
+    with pytest.raises(
+        ValueError, match="^prompt holds the image placeholder <image> but no image"
+    ):
+        llm.generate("USER: <image>\nWhat is it?ASSISTANT:", GREEDY)
+    with pytest.raises(ValueError, match="^prompt holds the image placeholder"):
+        llm.chat([{"role": "user", "content": "Look: <image>"}], GREEDY)
 
 
 def test_preempted_image_requests_finish_as_if_alone(llava: tuple[Any, Path]) -> None:

@@ -4,10 +4,10 @@ default model's tokenizer, its image processor and chat template), over HTTP.
 The official ``openai`` client sends a base64 PNG and gets an answer. Every bad image
 is refused with 400 naming the content part (413 over ``--max-media-bytes``), and
 the server keeps serving: corrupt, truncated, a decompression bomb, an unsupported
-format, too many images, a file outside ``--allowed-local-media-path``, and http(s)
+format, too many images, a file outside ``--allowed-local-media-path``, http(s)
 URLs that are slow, huge, missing or on a host outside ``--allowed-media-domains``
-(served by a local HTTP server). The front end never loads torch: images are
-processed in its helper process.
+(served by a local HTTP server), and the image placeholder written as text. The
+front end never loads torch: images are processed in its helper process.
 """
 
 from __future__ import annotations
@@ -199,6 +199,12 @@ def _bad_requests(
             PART,
         ),
         ("unsupported URL scheme", _messages("ftp://example.com/cat.png"), 400, PART),
+        (
+            "a placeholder without its image",
+            [{"role": "user", "content": "Look: <image>"}],
+            400,
+            "messages",
+        ),
     ]
 
 

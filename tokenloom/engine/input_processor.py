@@ -158,6 +158,12 @@ class InputProcessor:
         images = _images_of(prompt)
         if images:
             token_ids, mm_features = self._process_images(token_ids, images)
+        elif self.multimodal is not None and self.multimodal.image_token_id in token_ids:
+            # Its embeddings would be a token's, not an image's: refused, as transformers does.
+            raise ValueError(
+                f"prompt holds the image placeholder {self.multimodal.image_token} but no image "
+                "comes with it (multi_modal_data, or an image part in a chat message)"
+            )
         self._validate(token_ids, params)
         core_params = self._with_eos_stops(params)
         if self.reasoning is not None and params.structured_outputs is not None:
