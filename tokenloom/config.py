@@ -212,6 +212,26 @@ class SchedulerConfig:
         'or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}; '
         "optional disable_by_batch_size (default: off)",
     )
+    # Encoder inputs (images): both count encoder output rows, one per placeholder
+    # token, and the scheduler raises both to the model's largest single item.
+    max_num_encoder_input_tokens: int | None = option(
+        None,
+        ge=1,
+        help="image tokens the vision encoder may compute in one step "
+        "(default: --max-num-batched-tokens)",
+    )
+    encoder_cache_size: int | None = option(
+        None,
+        ge=1,
+        help="vision encoder outputs the runner keeps for reuse, in image tokens "
+        "(default: --max-num-batched-tokens)",
+    )
+    enable_encoder_cache: bool = option(
+        True,
+        help="share one vision encoder output between the requests that show the same image, "
+        "and keep it after them until its room is needed (off: every request encodes its own "
+        "images)",
+    )
 
     def __post_init__(self) -> None:
         validate(self)
@@ -401,6 +421,31 @@ class RecoveryConfig:
         return min(self.engine_restart_backoff_s * 2**attempt, self.max_engine_restart_backoff_s)
 
 
+# Images one prompt may hold unless --limit-mm-per-prompt says otherwise.
+DEFAULT_IMAGES_PER_PROMPT = 4
+
+
+def parse_mm_limits(value: object) -> dict[str, int]:
+    """``--limit-mm-per-prompt``: a JSON object (or dict) of items per modality."""
+    import json
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"limit_mm_per_prompt is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f'limit_mm_per_prompt must be an object such as {{"image": 2}}, got {value!r}'
+        )
+    for key, count in value.items():
+        if key != "image":
+            raise ValueError(f"limit_mm_per_prompt.{key}: only images are supported")
+        if not _is_int(count) or count < 0:
+            raise ValueError(f"limit_mm_per_prompt.{key} must be an integer >= 0, got {count!r}")
+    return dict(value)
+
+
 @dataclass(frozen=True)
 class FrontendConfig:
     """What the front end (LLM, AsyncLLM, the server) decides on its side of the core."""
@@ -428,6 +473,35 @@ class FrontendConfig:
         help="the reasoning model's format: its thinking is returned as reasoning_content, "
         "and structured outputs and tool calls apply to the answer after it",
     )
+    # Images in prompts (vision-language models); vLLM's names.
+    limit_mm_per_prompt: dict[str, int] | None = option(
+        None,
+        parse=parse_mm_limits,
+        metavar="JSON",
+        help=f'most images one prompt may hold, as JSON: {{"image": 2}} '
+        f"(default: {DEFAULT_IMAGES_PER_PROMPT})",
+    )
+    allowed_local_media_path: str | None = option(
+        None,
+        help="directory whose files image URLs may name (file://...); without it file URLs "
+        "are refused",
+    )
+    allowed_media_domains: list[str] | None = option(
+        None, help="the only hosts http(s) image URLs may name (default: any host)"
+    )
+    media_fetch_timeout: float = option(
+        5.0, gt=0, help="seconds an http(s) image may take to download"
+    )
+    max_media_bytes: int = option(
+        20 * 1024 * 1024,
+        ge=1,
+        help="largest image a request may send or name, in bytes (beyond it: HTTP 413)",
+    )
 
     def __post_init__(self) -> None:
         validate(self)
+
+    @property
+    def max_images_per_prompt(self) -> int:
+        limits = self.limit_mm_per_prompt or {}
+        return limits.get("image", DEFAULT_IMAGES_PER_PROMPT)

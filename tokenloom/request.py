@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from tokenloom.lora_request import LoRARequest
+from tokenloom.multimodal.inputs import MultiModalFeatureSpec, check_features
 from tokenloom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -112,6 +113,7 @@ class Request:
         "num_cached_tokens", "sampling_params", "eos_token_id", "arrival_time", "priority",
         "stop_reason", "prompt_token_ids", "num_prompt_tokens", "num_preemptions", "max_tokens",
         "min_tokens", "block_hashes", "lora_request", "lora_int_id", "structured_output_request",
+        "mm_features", "mm_end",
     )  # fmt: skip
 
     def __init__(
@@ -125,9 +127,12 @@ class Request:
         client_index: int = 0,
         lora_request: LoRARequest | None = None,
         prior_output_token_ids: list[int] | None = None,
+        mm_features: list[MultiModalFeatureSpec] | None = None,
     ) -> None:
         """``prior_output_token_ids``: output a crashed engine core already produced
-        (a resumed request); they count as output for every limit and penalty."""
+        (a resumed request); they count as output for every limit and penalty.
+        ``mm_features``: the prompt's images, in prompt order (see
+        ``tokenloom.multimodal.inputs``)."""
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         max_tokens = sampling_params.max_tokens
@@ -174,6 +179,13 @@ class Request:
         self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
         # The grammar of a structured request (set by the scheduler), else None.
         self.structured_output_request: StructuredOutputRequest | None = None
+        # Encoder inputs (images), and the prompt position after the last one: once
+        # num_computed_tokens reaches mm_end the request needs no encoder work (0: none).
+        self.mm_features: list[MultiModalFeatureSpec] | None = None
+        self.mm_end = 0
+        if mm_features:
+            self.mm_features = check_features(mm_features, len(prompt_token_ids))
+            self.mm_end = self.mm_features[-1].mm_position.end
 
     def set_structured_output_request(self, structured: StructuredOutputRequest) -> None:
         """Constrain this request: every sampled token must then advance the grammar."""
@@ -182,6 +194,15 @@ class Request:
     @property
     def use_structured_output(self) -> bool:
         return self.structured_output_request is not None
+
+    @property
+    def has_encoder_inputs(self) -> bool:
+        return self.mm_features is not None
+
+    def get_num_encoder_tokens(self, input_id: int) -> int:
+        """How many prompt positions (and encoder output rows) item ``input_id`` fills."""
+        assert self.mm_features is not None
+        return self.mm_features[input_id].mm_position.length
 
     @property
     def num_tokens(self) -> int:

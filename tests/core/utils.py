@@ -17,6 +17,7 @@ from tokenloom.config import CacheConfig, LoRAConfig, SchedulerConfig
 from tokenloom.core.sched.output import SchedulerOutput
 from tokenloom.core.sched.scheduler import Scheduler
 from tokenloom.lora_request import LoRARequest
+from tokenloom.multimodal.inputs import MultiModalFeatureSpec
 from tokenloom.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
 from tokenloom.request import Request, RequestStatus
 from tokenloom.sampling_params import SamplingParams
@@ -40,6 +41,11 @@ class FakeRunner:
     Tokens come from ``token_source(req_id)`` (random in ``[0, vocab)`` by
     default). Scheduled draft tokens are accepted per ``accept(req_id, drafts)``
     (all of them by default); accepted drafts plus one new token are returned.
+
+    Images: it "encodes" the step's ``scheduled_encoder_inputs`` into its
+    encoder cache (``encoded`` logs each identifier encoded, per step), drops
+    ``free_encoder_mm_hashes``, and checks that every image a step's tokens
+    reach is held, as the real runner needs.
     """
 
     def __init__(
@@ -59,6 +65,10 @@ class FakeRunner:
         # Prompts of every request seen, for rebuilding resumed requests.
         self.prompts: dict[str, list[int]] = {}
         self.steps = 0
+        # Images of every request seen, the identifiers held, and those encoded per step.
+        self.features: dict[str, list[MultiModalFeatureSpec]] = {}
+        self.encoder_cache: set[str] = set()
+        self.encoded: list[list[str]] = []
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.steps += 1
@@ -98,6 +108,7 @@ class FakeRunner:
             )
             if new_blocks is not None:
                 state.block_ids.extend(new_blocks)
+        self._encode(so)
 
         req_ids: list[str] = []
         sampled: list[list[int]] = []
@@ -123,6 +134,30 @@ class FakeRunner:
 
     def remember(self, request: Request) -> None:
         self.prompts[request.request_id] = list(request.prompt_token_ids)
+        self.features[request.request_id] = list(request.mm_features or ())
+
+    def _encode(self, so: SchedulerOutput) -> None:
+        """Drop freed encoder outputs, encode the scheduled ones, and check that each
+        scheduled request finds every image its tokens reach."""
+        for identifier in so.free_encoder_mm_hashes:
+            assert identifier in self.encoder_cache, f"freed {identifier} was never encoded"
+            self.encoder_cache.discard(identifier)
+        encoded: list[str] = []
+        for req_id, input_ids in so.scheduled_encoder_inputs.items():
+            assert req_id in so.num_scheduled_tokens, f"{req_id}: encoded but not scheduled"
+            for i in input_ids:
+                encoded.append(self.features[req_id][i].identifier)
+        self.encoder_cache.update(encoded)
+        self.encoded.append(encoded)
+        for req_id, num in so.num_scheduled_tokens.items():
+            start = self.mirror[req_id].num_computed_tokens
+            for feature in self.features.get(req_id, ()):
+                position = feature.mm_position
+                if position.offset < start + num and position.end > start:
+                    assert feature.identifier in self.encoder_cache, (
+                        f"{req_id}: tokens [{start}, {start + num}) reach "
+                        f"{feature.identifier}, which the runner does not hold"
+                    )
 
 
 def make_scheduler(
@@ -140,6 +175,10 @@ def make_scheduler(
     log_stats: bool = False,
     lora_config: LoRAConfig | None = None,
     structured_output_manager: StructuredOutputManager | None = None,
+    max_num_encoder_input_tokens: int | None = None,
+    encoder_cache_size: int | None = None,
+    enable_encoder_cache: bool = True,
+    max_tokens_per_mm_item: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -148,6 +187,9 @@ def make_scheduler(
             enable_chunked_prefill=enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_token_threshold,
             policy=policy,  # type: ignore[arg-type]
+            max_num_encoder_input_tokens=max_num_encoder_input_tokens,
+            encoder_cache_size=encoder_cache_size,
+            enable_encoder_cache=enable_encoder_cache,
         ),
         CacheConfig(
             block_size=block_size,
@@ -159,6 +201,7 @@ def make_scheduler(
         log_stats=log_stats,
         lora_config=lora_config,
         structured_output_manager=structured_output_manager,
+        max_tokens_per_mm_item=max_tokens_per_mm_item,
     )
 
 
@@ -175,6 +218,7 @@ def make_request(
     eos_token_id: int | None = None,
     client_index: int = 0,
     lora_request: LoRARequest | None = None,
+    mm_features: list[MultiModalFeatureSpec] | None = None,
     **params: object,
 ) -> Request:
     """A request with ``prompt`` tokens (a count gives distinct-per-id tokens)."""
@@ -193,6 +237,7 @@ def make_request(
         priority=priority,
         client_index=client_index,
         lora_request=lora_request,
+        mm_features=mm_features,
     )
 
 
@@ -289,6 +334,10 @@ def assert_no_leaks(scheduler: Scheduler) -> None:
     assert manager.usage == 0.0
     assert all(block.ref_cnt == 0 for block in manager.block_pool.blocks)
     assert scheduler.reset_prefix_cache() is True
+    encoder_cache = scheduler.encoder_cache_manager
+    encoder_cache.check_integrity()
+    assert encoder_cache.num_referenced == 0, f"encoder inputs held: {encoder_cache.cached}"
+    assert encoder_cache.num_freeable_slots == encoder_cache.cache_size
 
 
 def finish_all(scheduler: Scheduler, ids: Iterable[str] | None = None) -> None:

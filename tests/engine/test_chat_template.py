@@ -116,7 +116,10 @@ def test_kwargs_that_break_a_template_blame_chat_template_kwargs(tokenizer: Any)
         ("Hi", r"^messages must be a non-empty list"),
         (["Hi"], r"^messages\[0\] must be an object"),
         ([{"content": "Hi"}], r"^messages\[0\]\.role must be a non-empty string"),
-        ([{"role": "user", "content": 3}], r"^messages\[0\]\.content must be a string or null"),
+        (
+            [{"role": "user", "content": 3}],
+            r"^messages\[0\]\.content must be a string, a list of parts or null",
+        ),
         (
             [{"role": "user", "content": "ok"}, {"role": "user", "content": "x\ud800y"}],
             r"^messages\[1\]\.content contains a lone surrogate",

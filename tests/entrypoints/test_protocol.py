@@ -138,6 +138,33 @@ def test_validation_error_names_the_field() -> None:
     assert from_validation_error(info.value).param == "messages[0].role"
 
 
+@pytest.mark.parametrize(
+    ("part", "param", "words"),
+    [
+        ({"type": "image_url"}, "messages[0].content[1].image_url", "Field required"),
+        ({"type": "image_url", "image_url": {"url": 5}}, "messages[0].content[1].image_url.url", "string"),
+        ({"type": "image_url", "image_url": {"url": "x", "detail": "max"}}, "messages[0].content[1].image_url.detail", "'auto'"),
+        ({"type": "input_audio"}, "messages[0].content[1]", "input_audio"),
+        ({"type": "text", "text": 5}, "messages[0].content[1].text", "string"),
+    ],
+)  # fmt: skip
+def test_a_bad_content_part_is_named_with_what_is_wrong(part: dict, param: str, words: str) -> None:
+    """Content is a string or a list of parts: a list's error is the one reported."""
+    content = [{"type": "text", "text": "look"}, part]
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": content}]})
+    error = from_validation_error(info.value)
+    assert error.param == param
+    assert words in error.message
+
+
+def test_a_value_of_no_member_type_is_named_at_its_field() -> None:
+    """A prompt of mixed ints and strings fits several list members: no guessing which."""
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({"prompt": [1, "a"]})
+    assert from_validation_error(info.value).param == "prompt"
+
+
 # ---------------------------------------------- SamplingParams at the edges of its ranges
 
 

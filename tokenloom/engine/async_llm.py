@@ -38,6 +38,8 @@ from tokenloom.engine.setup import EngineSetup
 from tokenloom.engine.supervisor import CoreSupervisor, mp_client_starter
 from tokenloom.lora_request import LoRARequest
 from tokenloom.metrics.stats import IterationStats, StatLogger, engine_state
+from tokenloom.multimodal.chat import remote_image_urls
+from tokenloom.multimodal.media import fetch_url
 from tokenloom.outputs import RequestOutput, SchedulerStats
 from tokenloom.sampling_params import SamplingParams
 
@@ -75,9 +77,7 @@ class AsyncLLM(EngineClient):
         self.model_name = setup.engine_args.get_served_model_name()
         self.data_parallel_size = setup.config.parallel_config.data_parallel_size
         self.max_model_len = client.max_model_len
-        front_end = setup.front_end(
-            tokenizer, self.max_model_len, validate_constraints_in_subprocess=True
-        )
+        front_end = setup.front_end(tokenizer, self.max_model_len, helpers_in_subprocess=True)
         self.input_processor = front_end.input_processor
         self._input_executor = ThreadPoolExecutor(
             max_workers=_INPUT_THREADS, thread_name_prefix="tokenloom-input"
@@ -196,15 +196,23 @@ class AsyncLLM(EngineClient):
         """Apply the chat template in the input thread pool.
 
         Raises ``ValueError`` starting with the field to blame (``messages``,
-        ``chat_template``, ``chat_template_kwargs``, ...), and ``EngineDeadError``
-        once the engine is gone.
+        ``chat_template``, ``chat_template_kwargs``, ...; a ``MediaError`` for a bad
+        image), and ``EngineDeadError`` once the engine is gone. Images at http(s)
+        URLs are downloaded here first, concurrently, without blocking the loop.
         """
         if self.errored or self._closed:
             raise self.dead_error
+        limits = self.input_processor.media_limits
+        remote = remote_image_urls(messages)
+        fetched: dict[str, bytes] = {}
+        if remote:
+            contents = await asyncio.gather(
+                *(fetch_url(url, param, limits) for param, url in remote)
+            )
+            fetched = {url: data for (_, url), data in zip(remote, contents, strict=True)}
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._input_executor, self.input_processor.render_chat, messages, options
-        )
+        render = functools.partial(self.input_processor.render_chat, messages, options, fetched)
+        return await loop.run_in_executor(self._input_executor, render)
 
     async def generate(
         self,
@@ -396,5 +404,5 @@ class AsyncLLM(EngineClient):
             task.cancel()
         self.output_processor.propagate_error(EngineDeadError("the engine was shut down"))
         self._input_executor.shutdown(wait=False, cancel_futures=True)
-        self.input_processor.validate_constraints.shutdown()
+        self.input_processor.shutdown()
         self.client.shutdown()

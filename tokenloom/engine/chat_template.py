@@ -218,9 +218,17 @@ def _check_messages(messages: object) -> list[dict[str, Any]]:
         if not isinstance(role, str) or not role:
             raise ValueError(f"messages[{i}].role must be a non-empty string, got {role!r}")
         content = message.get("content")
-        if content is not None and not isinstance(content, str):
+        if isinstance(content, list):  # text and image parts (multimodal.chat)
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind not in ("text", "image"):
+                    raise ValueError(
+                        f"messages[{i}].content[{j}] must be a text or image part, got {part!r}"
+                    )
+        elif content is not None and not isinstance(content, str):
             raise ValueError(
-                f"messages[{i}].content must be a string or null, got {type(content).__name__}"
+                f"messages[{i}].content must be a string, a list of parts or null, "
+                f"got {type(content).__name__}"
             )
         where = _surrogate_path(message)
         if where is not None:

@@ -102,6 +102,8 @@ class EngineCore:
             lora_config=lora_config,
             num_speculative_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
             structured_output_manager=structured_output_manager,
+            # A vision-language model's runner says how large one image can be.
+            max_tokens_per_mm_item=getattr(runner, "max_tokens_per_mm_item", 0),
         )
         self._speculative = spec_config is not None
         # Requests scheduled but not yet reported: when they were first scheduled.
@@ -184,6 +186,7 @@ class EngineCore:
                 priority=request.priority,
                 lora_request=request.lora_request,
                 prior_output_token_ids=request.prior_output_token_ids,
+                mm_features=request.mm_features,
             )
         )
 
@@ -229,10 +232,12 @@ class EngineCore:
             scheduler_output.total_num_scheduled_tokens == 0
             and not scheduler_output.finished_req_ids
             and not scheduler_output.preempted_req_ids
+            and not scheduler_output.free_encoder_mm_hashes
         ):
             runner_output = _EMPTY_RUNNER_OUTPUT
         else:
-            # Also with no tokens: the runner must hear about finished requests.
+            # Also with no tokens: the runner must hear about finished requests (and
+            # encoder outputs it may drop).
             grammar_output = scheduler.get_grammar_bitmask(scheduler_output)
             if grammar_output is None:
                 runner_output = self.runner.execute_model(scheduler_output)

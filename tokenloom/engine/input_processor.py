@@ -4,13 +4,20 @@ Runs in the front end, before anything reaches the engine core, so a bad
 request is refused with a ``ValueError`` whose message starts with the field
 to blame (``prompt``, ``logprobs``, ``messages``, ...) and never disturbs the
 requests already running. Imports no torch.
+
+Prompts with images (a vision-language model): chat messages' image parts
+are loaded in ``render_chat`` and left as placeholders for the template; a
+prompt dict's ``multi_modal_data`` goes through the model's image processor
+(``multimodal.processing``), which expands the placeholders and gives the
+core request its ``mm_features``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.config import FrontendConfig, LoRAConfig
 from tokenloom.engine.chat_template import is_utf8, render_chat
@@ -19,6 +26,10 @@ from tokenloom.engine.protocol import ChatOptions, PromptType, RenderedChat
 from tokenloom.lora_request import LoRARequest
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.peft_config import validate_adapter
+from tokenloom.multimodal.chat import extract_images, inline_placeholders
+from tokenloom.multimodal.inputs import MultiModalFeatureSpec
+from tokenloom.multimodal.media import MediaLimits
+from tokenloom.multimodal.processing import MultiModalProcessor
 from tokenloom.reasoning import get_reasoning_parser
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.structured_output.reasoning_gate import ReasoningTokens
@@ -52,7 +63,11 @@ class InputProcessor:
         arch: ModelArchConfig | None = None,
         validate_constraints_in_subprocess: bool = False,
         reasoning_parser: str | None = None,
+        multimodal: MultiModalProcessor | None = None,
+        media_limits: MediaLimits | None = None,
     ) -> None:
+        """``multimodal``: the model's image processing (None: a text-only model);
+        ``media_limits``: what image URLs may name and how large images may be."""
         self.tokenizer = tokenizer
         self.reasoning = (
             None
@@ -61,6 +76,8 @@ class InputProcessor:
                 get_reasoning_parser(reasoning_parser), tokenizer, vocab_size
             )
         )
+        self.multimodal = multimodal
+        self.media_limits = media_limits or MediaLimits()
         # The serving front end checks grammars in a helper process (the backend
         # imports torch); the offline LLM checks them in place.
         self.validate_constraints = ConstraintValidator(validate_constraints_in_subprocess)
@@ -76,6 +93,13 @@ class InputProcessor:
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Return ``(prompt text or None, prompt token ids)``."""
+        if isinstance(prompt, Mapping):
+            fields: Mapping[str, Any] = prompt
+            if "prompt" in fields:
+                return self.tokenize(fields["prompt"])
+            if "prompt_token_ids" in fields:
+                return self.tokenize(fields["prompt_token_ids"])
+            raise ValueError("prompt must have a 'prompt' (text) or a 'prompt_token_ids' key")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -130,6 +154,16 @@ class InputProcessor:
             self.check_adapter(lora_request)
         text, token_ids = self.tokenize(prompt)
         text = text if prompt_text is None else prompt_text
+        mm_features = None
+        images = _images_of(prompt)
+        if images:
+            token_ids, mm_features = self._process_images(token_ids, images)
+        elif self.multimodal is not None and self.multimodal.image_token_id in token_ids:
+            # Its embeddings would be a token's, not an image's: refused, as transformers does.
+            raise ValueError(
+                f"prompt holds the image placeholder {self.multimodal.image_token} but no image "
+                "comes with it (multi_modal_data, or an image part in a chat message)"
+            )
         self._validate(token_ids, params)
         core_params = self._with_eos_stops(params)
         if self.reasoning is not None and params.structured_outputs is not None:
@@ -153,6 +187,7 @@ class InputProcessor:
                 arrival_time=arrival,
                 priority=priority,
                 lora_request=lora_request,
+                mm_features=mm_features,
             )
             for child_id, child_params in children
         ]
@@ -177,9 +212,45 @@ class InputProcessor:
         validate_adapter(lora_request.lora_path, self.lora_config.max_lora_rank, self.arch)
         self._adapter_paths[lora_request.lora_int_id] = lora_request.lora_path
 
-    def render_chat(self, messages: object, options: ChatOptions | None = None) -> RenderedChat:
-        """One conversation through the chat template (see ``chat_template.render_chat``)."""
-        return render_chat(self.tokenizer, messages, options or ChatOptions(), self.chat_template)
+    def render_chat(
+        self,
+        messages: object,
+        options: ChatOptions | None = None,
+        fetched: Mapping[str, bytes] | None = None,
+    ) -> RenderedChat:
+        """One conversation through the chat template (see ``chat_template.render_chat``).
+
+        Image parts are loaded (``fetched``: bytes of http(s) image URLs fetched
+        already) and become the model's placeholders: the template places them
+        when it knows images, else they are written into the message text."""
+        options = options or ChatOptions()
+        images: list[Any] = []
+        if isinstance(messages, list):
+            messages, images = extract_images(messages, self.media_limits, fetched)
+        if images:
+            assert isinstance(messages, list)
+            if self.multimodal is None:
+                raise ValueError("messages: this model takes no images")
+            self.multimodal.check_count(len(images), "messages")
+            template = options.chat_template or self.chat_template or self.tokenizer.chat_template
+            if "image" not in str(template or ""):  # the template only writes text
+                messages = inline_placeholders(messages, self.multimodal.placeholder_text)
+        rendered = render_chat(self.tokenizer, messages, options, self.chat_template)
+        rendered.images = images
+        return rendered
+
+    def _process_images(
+        self, token_ids: list[int], images: list[Any]
+    ) -> tuple[list[int], list[MultiModalFeatureSpec]]:
+        if self.multimodal is None:
+            raise ValueError("multi_modal_data: this model takes no images")
+        return self.multimodal.process(token_ids, images)
+
+    def shutdown(self) -> None:
+        """Stop the helper processes (grammar checks, image processing), if any started."""
+        self.validate_constraints.shutdown()
+        if self.multimodal is not None:
+            self.multimodal.shutdown()
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
@@ -227,6 +298,24 @@ def eos_token_ids(arch_eos_ids: list[int], tokenizer: PreTrainedTokenizerFast) -
     if isinstance(tokenizer_eos, int) and tokenizer_eos not in ids:
         ids.append(tokenizer_eos)
     return ids
+
+
+def _images_of(prompt: PromptType) -> list[Any]:
+    """The images of a prompt dict's ``multi_modal_data`` (``ValueError`` naming it)."""
+    if not isinstance(prompt, Mapping):
+        return []
+    data = prompt.get("multi_modal_data")
+    if data is None:
+        return []
+    if not isinstance(data, Mapping):
+        raise ValueError(f"multi_modal_data must be a dict, got {type(data).__name__}")
+    unknown = sorted(str(k) for k in data if k != "image")
+    if unknown:
+        raise ValueError(f"multi_modal_data.{unknown[0]}: only images are supported")
+    images = data.get("image")
+    if images is None:
+        return []
+    return list(images) if isinstance(images, (list, tuple)) else [images]
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

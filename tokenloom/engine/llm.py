@@ -74,6 +74,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt (a str, token ids, or a list of either).
 
+        A prompt with images is vLLM's dict: ``{"prompt": text, "multi_modal_data":
+        {"image": PIL.Image or a list of them}}``, one image placeholder (the
+        model's, e.g. ``<image>``) in the text per image.
+
         ``lora_request``: one adapter for every prompt, or one (or None, the base
         model) per prompt; needs ``enable_lora=True``."""
         prompt_list = _as_prompt_list(prompts)
@@ -122,7 +126,7 @@ class LLM:
             rendered = self.input_processor.render_chat(conversation, options)
             request_id = self._next_id()
             text, requests = self.input_processor.process(
-                request_id, rendered.token_ids, params, prompt_text=rendered.text
+                request_id, rendered.prompt, params, prompt_text=rendered.text
             )
             batch.append((request_id, text, requests))
         return self._run(batch, use_tqdm)
@@ -184,13 +188,14 @@ def _is_token_ids(value: object) -> bool:
 
 
 def _as_prompt_list(prompts: object) -> list[PromptType]:
-    if isinstance(prompts, str) or _is_token_ids(prompts):
+    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
         return [prompts]  # type: ignore[list-item]
     if isinstance(prompts, (list, tuple)):
         for prompt in prompts:
-            if not isinstance(prompt, (str, list)):
+            if not isinstance(prompt, (str, list, dict)):
                 raise ValueError(
-                    "prompts must be a str, a list of token ids, or a list of either; "
+                    "prompts must be a str, a list of token ids, a prompt dict (with "
+                    "multi_modal_data), or a list of those; "
                     f"got an element of type {type(prompt).__name__}"
                 )
         return list(prompts)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from tokenloom.lora_request import LoRARequest
+from tokenloom.multimodal.inputs import MultiModalFeatureSpec
 from tokenloom.outputs import EngineCoreOutputs
 from tokenloom.sampling_params import SamplingParams
 
@@ -20,7 +21,8 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
 
     ``prior_output_token_ids``: tokens an earlier engine core already produced
     for it (crash recovery, ``tokenloom.engine.recovery``); the core recomputes
-    them like a preemption and continues after them.
+    them like a preemption and continues after them. ``mm_features``: the
+    prompt's images, processed (``tokenloom.multimodal.inputs``).
     """
 
     request_id: str
@@ -31,6 +33,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     priority: int = 0
     lora_request: LoRARequest | None = None
     prior_output_token_ids: list[int] = []
+    mm_features: list[MultiModalFeatureSpec] | None = None
 
 
 class AbortRequests(msgspec.Struct, tag=True):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.lora_request import LoRARequest
@@ -21,8 +21,25 @@ if TYPE_CHECKING:
 
     from tokenloom.metrics.stats import StatLogger
 
-# A prompt: text, or token ids (for example a chat already rendered by ``render_chat``).
-PromptType = str | list[int]
+
+class TextPrompt(TypedDict, total=False):
+    """vLLM's prompt dict: text, with images for its placeholders
+    (``{"image": PIL.Image or a list of them}``; URLs and encoded bytes are taken too)."""
+
+    prompt: str
+    multi_modal_data: dict[str, Any]
+
+
+class TokensPrompt(TypedDict, total=False):
+    """vLLM's prompt dict of token ids, with images for their placeholders."""
+
+    prompt_token_ids: list[int]
+    multi_modal_data: dict[str, Any]
+
+
+# A prompt: text, or token ids (for example a chat already rendered by ``render_chat``),
+# or either as a dict with images.
+PromptType = str | list[int] | TextPrompt | TokensPrompt
 
 
 @dataclass
@@ -45,10 +62,21 @@ class ChatOptions:
 
 @dataclass
 class RenderedChat:
-    """A conversation rendered by the chat template: its text and prompt token ids."""
+    """A conversation rendered by the chat template: its text and prompt token ids, and
+    the images its messages showed (loaded, in order; one placeholder each)."""
 
     text: str
     token_ids: list[int]
+    images: list[Any] = field(default_factory=list)
+
+    @property
+    def prompt(self) -> list[int] | TokensPrompt:
+        """What ``generate`` takes for it."""
+        if not self.images:
+            return self.token_ids
+        return TokensPrompt(
+            prompt_token_ids=self.token_ids, multi_modal_data={"image": self.images}
+        )
 
 
 class EngineClient(Protocol):

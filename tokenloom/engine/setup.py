@@ -20,6 +20,8 @@ from tokenloom.engine.input_processor import InputProcessor, eos_token_ids
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.metrics.stats import LoggingStatLogger, StatLogger
 from tokenloom.model.arch_config import ModelArchConfig
+from tokenloom.multimodal.media import MediaLimits
+from tokenloom.multimodal.processing import MultiModalProcessor
 from tokenloom.reasoning import get_reasoning_parser
 from tokenloom.structured_output.reasoning_gate import ReasoningTokens
 
@@ -83,14 +85,34 @@ class EngineSetup:
         tokenizer: PreTrainedTokenizerFast,
         max_model_len: int,
         *,
-        validate_constraints_in_subprocess: bool = False,
+        helpers_in_subprocess: bool = False,
     ) -> FrontEnd:
         """The request side for a core whose context is ``max_model_len`` tokens.
 
-        ``validate_constraints_in_subprocess``: check structured-output grammars in
-        a helper process (the grammar backend imports torch).
+        ``helpers_in_subprocess``: check structured-output grammars and run image
+        processors in helper processes (both import torch).
         """
         frontend = self.config.frontend_config
+        limits = MediaLimits(
+            allowed_local_media_path=frontend.allowed_local_media_path,
+            allowed_media_domains=(
+                None
+                if frontend.allowed_media_domains is None
+                else tuple(d.lower() for d in frontend.allowed_media_domains)
+            ),
+            fetch_timeout_s=frontend.media_fetch_timeout,
+            max_bytes=frontend.max_media_bytes,
+        )
+        multimodal = None
+        if self.arch.vision is not None:
+            multimodal = MultiModalProcessor(
+                self.arch.vision,
+                self.config.model_config.model,  # type: ignore[arg-type]
+                tokenizer,
+                limits,
+                frontend.max_images_per_prompt,
+                in_subprocess=helpers_in_subprocess,
+            )
         input_processor = InputProcessor(
             tokenizer,
             max_model_len,
@@ -100,8 +122,10 @@ class EngineSetup:
             chat_template=self.config.chat_template,
             lora_config=self.config.lora_config,
             arch=self.arch,
-            validate_constraints_in_subprocess=validate_constraints_in_subprocess,
             reasoning_parser=frontend.reasoning_parser,
+            validate_constraints_in_subprocess=helpers_in_subprocess,
+            multimodal=multimodal,
+            media_limits=limits,
         )
         stat_loggers: list[StatLogger] = [LoggingStatLogger()] if frontend.log_stats else []
         return FrontEnd(tokenizer, input_processor, OutputProcessor(tokenizer), stat_loggers)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenloom.multimodal.families import VisionArch
+
 # "freq_factors" is llama.cpp's way of storing llama3 scaling: per-frequency divisors.
 SUPPORTED_ROPE_TYPES = ("linear", "llama3", "freq_factors", "yarn", "dynamic", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -54,6 +56,11 @@ class ModelArchConfig:
     # The checkpoint stores q/k/v as one qkv_proj and gate/up as one gate_up_proj
     # (Phi-3): LoRA adapters then target the fused matrices.
     fused_checkpoint_projections: bool = False
+    # Vision-language models: the vision tower and how images enter (None: text only),
+    # and multimodal RoPE's split of the rotary frequencies over (time, height, width)
+    # positions (Qwen2.5-VL; None: one position per token).
+    vision: VisionArch | None = None
+    mrope_section: tuple[int, ...] | None = None
 
     def layer_window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None

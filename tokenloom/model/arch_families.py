@@ -17,6 +17,10 @@ fields ``arch_reader`` reads with what each family adds:
   attention scores and final logits, and (Gemma 3) a separate RoPE base for the
   sliding layers;
 - Phi-3: ``partial_rotary_factor`` and long-rope factors;
+- vision-language models (LLaVA, Qwen2.5-VL): the text model's fields come from
+  ``text_config`` with the traits of its text family, the vision tower's from
+  the rest (``multimodal.families.VisionArch``), and Qwen2.5-VL's multimodal
+  RoPE sections from its rope parameters;
 - the context length served with YaRN and dynamic scaling (the original length
   times the factor, as vLLM derives it).
 """
@@ -29,6 +33,7 @@ from typing import Any, Literal
 
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.rope_config import normalise_rope
+from tokenloom.multimodal.families import VisionKind, read_vision_arch
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,7 @@ class Family:
     architecture: str  # config.json's "architectures" entry
     model_type: str  # config.json's "model_type"
     # The decoder class that runs it (``registry.model_class``).
-    decoder: Literal["llama", "gemma"] = "llama"
+    decoder: Literal["llama", "gemma", "llava", "qwen2_5_vl"] = "llama"
     gguf_name: str | None = None  # a GGUF file's general.architecture
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE
     attention_bias: bool = False  # q/k/v biases whatever config.json says
@@ -46,6 +51,10 @@ class Family:
     fused_checkpoint_projections: bool = False
     # Sliding windows only where config.json sets use_sliding_window.
     windows_opt_in: bool = False
+    # Vision-language: the vision family, and the family whose traits its text model
+    # has (None: the one text_config's model_type names).
+    vision: VisionKind | None = None
+    text_family: str | None = None
 
 
 FAMILIES: dict[str, Family] = {
@@ -60,11 +69,70 @@ FAMILIES: dict[str, Family] = {
         Family("Gemma2ForCausalLM", "gemma2", decoder="gemma"),
         Family("Gemma3ForCausalLM", "gemma3_text", decoder="gemma", qk_norm=True),
         Family("Phi3ForCausalLM", "phi3", fused_checkpoint_projections=True),
+        Family("LlavaForConditionalGeneration", "llava", decoder="llava", vision="llava"),
+        Family(
+            "Qwen2_5_VLForConditionalGeneration",
+            "qwen2_5_vl",
+            decoder="qwen2_5_vl",
+            vision="qwen2_5_vl",
+            text_family="Qwen2ForCausalLM",
+        ),
     )
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 MODEL_TYPE_TO_ARCH = {f.model_type: f.architecture for f in FAMILIES.values()}
 GGUF_ARCHITECTURES = {f.gguf_name: f.architecture for f in FAMILIES.values() if f.gguf_name}
+
+
+def text_family(architecture: str, cfg: dict[str, Any], source: str) -> str:
+    """The family whose traits a checkpoint's text model has: its own, or a
+    vision-language family's text model's (``text_config``)."""
+    family = FAMILIES[architecture]
+    if family.vision is None:
+        return architecture
+    if family.text_family is not None:
+        return family.text_family
+    text_type = (cfg.get("text_config") or {}).get("model_type", "llama")
+    text_arch = MODEL_TYPE_TO_ARCH.get(text_type)
+    if text_arch is None or FAMILIES[text_arch].vision is not None:
+        raise ValueError(f"unsupported text model {text_type!r} in {source}")
+    return text_arch
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The text model's settings: ``text_config`` over the top level (older
+    vision-language checkpoints keep them at the top level)."""
+    nested = cfg.get("text_config")
+    if not isinstance(nested, dict):
+        return cfg
+    outer = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+    return {**outer, **nested}
+
+
+def vision_settings(
+    text_arch: ModelArchConfig, architecture: str, cfg: dict[str, Any], source: str
+) -> ModelArchConfig:
+    """A vision-language model's arch: its text model's (``text_arch``, read from
+    ``text_config``) with the vision tower and multimodal RoPE added."""
+    family = FAMILIES[architecture]
+    assert family.vision is not None
+    changes: dict[str, Any] = {
+        "architecture": architecture,
+        "vision": read_vision_arch(family.vision, cfg, source),
+    }
+    if family.vision == "qwen2_5_vl":
+        text = text_config(cfg)
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        section = rope.get("mrope_section")
+        half = int(text_arch.head_dim * text_arch.partial_rotary_factor) // 2
+        if not section or sum(section) != half:
+            raise ValueError(
+                f"mrope_section in {source} must split the {half} rotary frequencies, got {section}"
+            )
+        changes["mrope_section"] = tuple(int(n) for n in section)
+    if "tie_word_embeddings" in cfg:  # the top level wins over text_config's
+        changes["tie_word_embeddings"] = bool(cfg["tie_word_embeddings"])
+    return dataclasses.replace(text_arch, **changes)
 
 
 def family_settings(base: ModelArchConfig, cfg: dict[str, Any], source: str) -> ModelArchConfig:

@@ -19,6 +19,9 @@ from tokenloom.model.arch_families import (
     MODEL_TYPE_TO_ARCH,
     SUPPORTED_ARCHITECTURES,
     family_settings,
+    text_config,
+    text_family,
+    vision_settings,
 )
 from tokenloom.model.rope_config import normalise_rope, read_rope
 
@@ -58,10 +61,13 @@ def _from_hf_dir(path: Path) -> ModelArchConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"model directory {path} has no config.json")
-    cfg = json.loads(config_file.read_text())
-    archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else MODEL_TYPE_TO_ARCH.get(cfg.get("model_type", ""), "")
-    _check_architecture(arch or f"model_type={cfg.get('model_type')!r}", str(config_file))
+    full_cfg = json.loads(config_file.read_text())
+    archs = full_cfg.get("architectures") or []
+    arch = archs[0] if archs else MODEL_TYPE_TO_ARCH.get(full_cfg.get("model_type", ""), "")
+    _check_architecture(arch or f"model_type={full_cfg.get('model_type')!r}", str(config_file))
+    # A vision-language model's text model is read like a text-only one of its family.
+    vision_arch, arch = arch, text_family(arch, full_cfg, str(config_file))
+    cfg = text_config(full_cfg) if vision_arch != arch else full_cfg
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
     if act not in SUPPORTED_ACTIVATIONS:
         raise ValueError(
@@ -103,7 +109,10 @@ def _from_hf_dir(path: Path) -> ModelArchConfig:
         eos_token_ids=eos,
         hidden_act=act,
     )
-    return family_settings(base, cfg, str(config_file))
+    text_arch = family_settings(base, cfg, str(config_file))
+    if vision_arch != arch:
+        return vision_settings(text_arch, vision_arch, full_cfg, str(config_file))
+    return text_arch
 
 
 def _from_gguf(path: Path) -> ModelArchConfig:

@@ -289,11 +289,16 @@ class CausalLM(nn.Module):
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
         keep_rows: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The final hidden states [T, hidden], or those of rows ``keep_rows`` (int64)."""
+        """The final hidden states [T, hidden], or those of rows ``keep_rows`` (int64).
+
+        ``inputs_embeds`` [T, hidden] replaces the embedding of ``input_ids`` (a
+        vision-language model's, with images in place); ``positions`` may be
+        [3, T] for a model whose rotary embedding takes multimodal positions."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        h = self.embed(input_ids)
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(positions)
         if self.decoder_stack is not None and self.decoder_stack.serves(attn_metadata):
             return self.decoder_stack(h, cos, sin, kv_caches, attn_metadata, keep_rows)

@@ -29,7 +29,7 @@ from torch import nn
 from tokenloom.config import LoRAConfig
 from tokenloom.lora_request import LoRARequest
 from tokenloom.model.llama import CausalLM
-from tokenloom.model.peft_config import read_peft_config
+from tokenloom.model.peft_config import read_peft_config, text_module_path
 
 
 class _BatchMask:
@@ -199,7 +199,7 @@ class LoRAManager:
         tensors = load_file(str(config.path / "adapter_model.safetensors"))
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
-            name = key.removeprefix("base_model.model.")
+            name = text_module_path(key.removeprefix("base_model.model."))
             for kind in ("lora_A", "lora_B"):
                 suffix = f".{kind}.weight"
                 if name.endswith(suffix):

@@ -98,8 +98,18 @@ def read_peft_config(path: str | Path, max_lora_rank: int) -> PeftAdapterConfig:
 
 
 _TENSOR = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(lora_[AB])\.weight$"
+    r"^(?:base_model\.model\.)?(?:model\.language_model\.|language_model\.model\.|model\.)"
+    r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(lora_[AB])\.weight$"
 )
+# A vision-language model's text model, as transformers names it (both layouts).
+_TEXT_MODEL = re.compile(r"^(?:model\.language_model|language_model\.model)\.")
+
+
+def text_module_path(name: str) -> str:
+    """An adapter's module path with a vision-language model's text model prefix
+    (``model.language_model.``) read as a text model's (``model.``): adapters apply
+    to the text model only."""
+    return _TEXT_MODEL.sub("model.", name, count=1)
 
 
 def expected_shapes(

@@ -20,9 +20,13 @@ def normalise_rope(rope: dict[str, Any] | None, source: str) -> dict[str, Any] |
     rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
     rope.pop("rope_theta", None)
     rope.pop("partial_rotary_factor", None)
+    # Multimodal RoPE's split over (time, height, width) positions is read apart
+    # (arch_families.vision_settings); its frequencies are plain RoPE's.
+    rope.pop("mrope_section", None)
+    rope.pop("mrope_interleaved", None)
     if rope_type == "su":  # Phi-3's first name for longrope
         rope_type = "longrope"
-    if rope_type == "default":
+    if rope_type in ("default", "mrope"):
         return None
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(

@@ -80,6 +80,11 @@ def load_model(
     arch = load_arch_config(path)
     device = torch.device(model_config.device)
     quantization = resolve_quantization(model_config, path, float_weights)
+    if arch.vision is not None and (shard is not None or quantization):
+        raise ValueError(
+            f"{arch.architecture} (a vision-language model) runs unquantized on one device: "
+            "tensor_parallel_size must be 1 and quantization unset"
+        )
     dtype = (
         torch.float32 if quantization else resolve_dtype(model_config.dtype, model_config.device)
     )

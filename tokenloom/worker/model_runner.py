@@ -35,6 +35,7 @@ from tokenloom.structured_output.manager import GrammarOutput
 from tokenloom.worker.grammar_bitmask import apply_grammar_bitmask
 from tokenloom.worker.host_malloc import keep_freed_memory, release_freed_memory
 from tokenloom.worker.input_batch import InputBatch
+from tokenloom.worker.multimodal import MultiModalRunner
 from tokenloom.worker.sampler import Sampler
 from tokenloom.worker.sampling_metadata import SamplingMetadata
 from tokenloom.worker.spec_decode.speculator import Speculator
@@ -142,6 +143,18 @@ class ModelRunner:
         self.lora_manager = LoRAManager(self.model, lora_config) if lora_config else None
         self._lora_ids: dict[str, int] = {}
         self._last_index: dict[str, int] = {}
+        # Vision-language models: the encoder cache, and images into the inputs.
+        self.multimodal: MultiModalRunner | None = None
+        self.max_tokens_per_mm_item = 0
+        if self.arch.vision is not None:
+            self.multimodal = MultiModalRunner(
+                self.model,
+                self.arch,
+                self.model_path,
+                self.device,
+                share=scheduler_config.enable_encoder_cache,
+            )
+            self.max_tokens_per_mm_item = self.multimodal.max_tokens_per_item
 
     def _num_kv_blocks(self) -> int:
         """Explicit ``num_blocks``, else ``memory_bytes`` or ``memory_fraction`` of free
@@ -204,6 +217,8 @@ class ModelRunner:
         apply_deltas(self.input_batch, scheduler_output, self._eos_token_id)
         if self.lora_manager is not None:
             self._track_adapters(scheduler_output)
+        if self.multimodal is not None:
+            self.multimodal.update(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return self._output([], [], None)
         step = prepare_step(self.input_batch, scheduler_output)
@@ -222,16 +237,22 @@ class ModelRunner:
                 self.block_size,
                 native_op=self.native_attention,
             )
+            embeds, positions = None, step.positions
+            if self.multimodal is not None:
+                embeds, positions = self.multimodal.prepare(step)
             if len(step.row_slots) == 0:
-                self.model(step.input_ids, step.positions, self.kv_caches, attn_metadata)
+                self.model(
+                    step.input_ids, positions, self.kv_caches, attn_metadata, inputs_embeds=embeds
+                )
                 output = self._output(step.req_ids, [[] for _ in step.req_ids], None)
             else:
                 hidden = self.model(
                     step.input_ids,
-                    step.positions,
+                    positions,
                     self.kv_caches,
                     attn_metadata,
                     keep_rows=step.logits_indices,
+                    inputs_embeds=embeds,
                 )
                 logits = self.model.compute_logits(hidden)
                 if grammar_output is not None:

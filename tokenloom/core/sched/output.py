@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenloom.lora_request import LoRARequest
+from tokenloom.multimodal.inputs import MultiModalFeatureSpec
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -28,6 +29,9 @@ class NewRequestData:
     lora_request: LoRARequest | None = None
     # Output a crashed engine core already produced (a resumed request), else empty.
     output_token_ids: list[int] = field(default_factory=list)
+    # The prompt's images, with their arrays (the runner keeps them until the request
+    # finishes, so a resumed request brings none).
+    mm_features: list[MultiModalFeatureSpec] | None = None
 
 
 @dataclass
@@ -65,3 +69,7 @@ class SchedulerOutput:
     num_common_prefix_blocks: int
     preempted_req_ids: set[str]
     finished_req_ids: set[str]
+    # Request id -> indices of its items the runner encodes this step (each identifier
+    # at most once in a step), and identifiers whose encoder outputs it may drop.
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)

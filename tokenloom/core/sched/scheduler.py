@@ -48,6 +48,13 @@ Other choices worth knowing:
 * Requests preempted by ``reset_prefix_cache(reset_running_requests=True)``
   are reported in the next ``preempted_req_ids``; that step admits nothing,
   so the runner drops them before they are resumed.
+* Encoder inputs (``Request.mm_features``, images) are scheduled with the
+  tokens that reach them (``encoder_inputs.py``): each step's
+  ``scheduled_encoder_inputs`` within ``max_num_encoder_input_tokens``, the
+  ``EncoderCacheManager`` sharing outputs between requests; a request
+  releases an item once its computed tokens pass it, and everything it holds
+  when it finishes or is preempted. An item larger than the encoder budget
+  or cache makes its request unservable.
 """
 
 from __future__ import annotations
@@ -59,7 +66,13 @@ from itertools import repeat
 from typing import TYPE_CHECKING
 
 from tokenloom.config import CacheConfig, LoRAConfig, SchedulerConfig
+from tokenloom.core.encoder_cache_manager import EncoderCacheManager
 from tokenloom.core.kv_cache.manager import KVCacheManager
+from tokenloom.core.sched.encoder_inputs import (
+    encoder_budgets,
+    release_passed_encoder_inputs,
+    schedule_encoder_inputs,
+)
 from tokenloom.core.sched.interface import SchedulerInterface
 from tokenloom.core.sched.output import NewRequestData, SchedulerOutput
 from tokenloom.core.sched.request_queue import RequestQueue, create_request_queue
@@ -96,10 +109,13 @@ class Scheduler(SchedulerInterface):
         log_stats: bool = False,
         lora_config: LoRAConfig | None = None,
         structured_output_manager: StructuredOutputManager | None = None,
+        max_tokens_per_mm_item: int = 0,
     ) -> None:
         """``lora_config``: at most ``max_loras`` distinct LoRA adapters among the
         running requests (so in any step); a waiting request whose adapter would
-        exceed that waits, and requests behind it may go first (vLLM's rule)."""
+        exceed that waits, and requests behind it may go first (vLLM's rule).
+        ``max_tokens_per_mm_item``: the most placeholder tokens one image of the
+        model can have (0: text only); the encoder budgets are raised to it."""
         if cache_config.num_blocks is None:
             raise ValueError(
                 "num_blocks must be set in CacheConfig before building the Scheduler "
@@ -160,6 +176,16 @@ class Scheduler(SchedulerInterface):
         self._max_loras = lora_config.max_loras if lora_config is not None else 0
         self._spec_stats: SpecDecodingStats | None = None
 
+        # Encoder inputs: the per-step compute budget and the shared output cache.
+        self._encoder_budget, cache_size = encoder_budgets(scheduler_config, max_tokens_per_mm_item)
+        self.encoder_cache_manager = EncoderCacheManager(
+            cache_size, share=scheduler_config.enable_encoder_cache
+        )
+        self._max_encoder_item = min(self._encoder_budget, cache_size)
+        # Like _drafts_seen: until a request with images arrives, the running loop's
+        # fast path skips reading mm_end.
+        self._mm_seen = False
+
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: Request) -> None:
@@ -174,6 +200,8 @@ class Scheduler(SchedulerInterface):
         if self._unservable(request):
             self._ignore(request)
             return
+        if request.mm_features:
+            self._mm_seen = True
         if structured is not None:
             assert self.structured_output_manager is not None
             request.set_structured_output_request(
@@ -202,6 +230,8 @@ class Scheduler(SchedulerInterface):
                 self.kv_cache_manager.free(request)
             else:
                 waiting_gone.append(request)
+            if request.mm_features:
+                self.encoder_cache_manager.free(request)
             request.status = finished_status
             request.spec_token_ids = []
             self.finished_req_ids.add(req_id)
@@ -239,7 +269,7 @@ class Scheduler(SchedulerInterface):
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        step = StepBuilder(self.scheduler_config.max_num_batched_tokens)
+        step = StepBuilder(self.scheduler_config.max_num_batched_tokens, self._encoder_budget)
         chunk_cap = self._chunk_cap
         max_model_len = self.max_model_len
         manager = self.kv_cache_manager
@@ -258,6 +288,12 @@ class Scheduler(SchedulerInterface):
         token_budget = step.token_budget
         fast_cap = min(chunk_cap, token_budget)
         no_drafts = not self._drafts_seen
+        no_mm = not self._mm_seen
+        # Requests whose encoder inputs were looked at this step (they release the
+        # items their computed tokens pass once the step is decided), and items whose
+        # encoding was scheduled and then taken back with a preempted request.
+        mm_scheduled: list[Request] = []
+        orphans: list[str] = []
 
         preempted = False
         # Iterate over a snapshot: preempting edits ``running`` mid-pass, and
@@ -277,6 +313,7 @@ class Scheduler(SchedulerInterface):
                 0 < num_new <= fast_cap
                 and (no_drafts or not request.spec_token_ids)
                 and num_tokens < next_allocation_at(req_id)
+                and (no_mm or num_computed >= request.mm_end)
             ):
                 num_computed_column.append(num_computed)
                 num_scheduled[req_id] = num_new
@@ -299,6 +336,14 @@ class Scheduler(SchedulerInterface):
                 num_new = token_budget
             if num_new <= 0:
                 continue
+            encoder_inputs: list[int] = []
+            encoder_tokens = 0
+            if num_computed < request.mm_end:
+                encoder_inputs, num_new, encoder_tokens = schedule_encoder_inputs(
+                    request, num_computed, num_new, step.encoder_budget, self.encoder_cache_manager
+                )
+                if num_new <= 0:
+                    continue
             # Draft tokens get slots as lookahead so the manager never caches
             # blocks holding unverified tokens.
             num_spec = 0
@@ -317,11 +362,17 @@ class Scheduler(SchedulerInterface):
                     break
                 if victim.request_id in num_scheduled:
                     step.token_budget = token_budget
+                    taken = step.encoder_inputs.get(victim.request_id)
+                    if taken and victim.mm_features:
+                        orphans.extend(victim.mm_features[i].identifier for i in taken)
                     step.unschedule(victim.request_id)
                     token_budget = step.token_budget
                 new_blocks = allocate(request, num_new - num_spec, 0, None, num_spec)
             if new_blocks is None:
                 break
+            if num_computed < request.mm_end:
+                self._claim_encoder_inputs(step, request, encoder_inputs, encoder_tokens)
+                mm_scheduled.append(request)
             if num_spec and num_spec < len(spec):
                 spec = spec[:num_spec]
                 request.spec_token_ids = spec
@@ -341,16 +392,63 @@ class Scheduler(SchedulerInterface):
         step.token_budget = token_budget
 
         if not preempted_ids and self.waiting:
-            self._admit_waiting(step)
+            self._admit_waiting(step, mm_scheduled)
+        freed: list[str] = []
+        if self._mm_seen:
+            if orphans:
+                self._settle_orphans(step, orphans, mm_scheduled)
+            # Taken before the releases below: an output released now (and, with the
+            # encoder cache off, dropped at once) is still read by this step.
+            freed = self.encoder_cache_manager.get_freed_mm_hashes()
+            for request in mm_scheduled:
+                release_passed_encoder_inputs(request, self.encoder_cache_manager)
 
         num_common = 0
         if running and len(num_scheduled) == len(running):
             num_common = manager.get_num_common_prefix_blocks(running[0].request_id)
         finished = self.finished_req_ids
         self.finished_req_ids = set()
-        return step.build(num_common, preempted_ids, finished)
+        output = step.build(num_common, preempted_ids, finished)
+        if freed:
+            output.free_encoder_mm_hashes = freed
+        return output
 
-    def _admit_waiting(self, step: StepBuilder) -> None:
+    def _settle_orphans(
+        self, step: StepBuilder, orphans: list[str], mm_scheduled: list[Request]
+    ) -> None:
+        """Items whose encoding left with a request preempted later in the step: a
+        request still scheduled that took one from the cache encodes it instead;
+        with no such request it is forgotten (never computed)."""
+        cache = self.encoder_cache_manager
+        scheduled = step.num_scheduled
+        for identifier in orphans:
+            refs = cache.cached.get(identifier) or ()
+            heir = next(
+                (r for r in mm_scheduled if r.request_id in refs and r.request_id in scheduled),
+                None,
+            )
+            if heir is None or not cache.share:  # unshared: the heir encodes its own
+                cache.discard(identifier)
+                continue
+            assert heir.mm_features is not None
+            index = next(i for i, f in enumerate(heir.mm_features) if f.identifier == identifier)
+            inputs = step.encoder_inputs.pop(heir.request_id, [])
+            tokens = step.encoder_tokens.pop(heir.request_id, 0)
+            step.encoder_budget += tokens
+            step.add_encoder_inputs(
+                heir.request_id, [*inputs, index], tokens + heir.get_num_encoder_tokens(index)
+            )
+
+    def _claim_encoder_inputs(
+        self, step: StepBuilder, request: Request, input_ids: list[int], num_tokens: int
+    ) -> None:
+        """``request`` got its KV slots: the runner encodes ``input_ids`` this step."""
+        if input_ids:
+            step.add_encoder_inputs(request.request_id, input_ids, num_tokens)
+            for input_id in input_ids:
+                self.encoder_cache_manager.allocate(request, input_id)
+
+    def _admit_waiting(self, step: StepBuilder, mm_scheduled: list[Request]) -> None:
         """Admit waiting requests in queue order within ``step``'s budget.
 
         Stops at the first request that does not fit (no reordering), so a
@@ -398,8 +496,24 @@ class Scheduler(SchedulerInterface):
                 continue
             elif num_new > step.token_budget:
                 break
+            encoder_inputs: list[int] = []
+            encoder_tokens = 0
+            if num_cached < request.mm_end:
+                encoder_inputs, num_new, encoder_tokens = schedule_encoder_inputs(
+                    request, num_cached, num_new, step.encoder_budget, self.encoder_cache_manager
+                )
+                if num_new <= 0:
+                    # Its next item cannot be encoded this step: it waits in front,
+                    # holding no encoder output meanwhile.
+                    self.encoder_cache_manager.free(request)
+                    break
             if manager.allocate_slots(request, num_new, num_cached, computed_blocks) is None:
+                if request.mm_features:
+                    self.encoder_cache_manager.free(request)
                 break
+            if num_cached < request.mm_end:
+                self._claim_encoder_inputs(step, request, encoder_inputs, encoder_tokens)
+                mm_scheduled.append(request)
             waiting.pop()
             running.append(request)
             if lora_id:
@@ -421,6 +535,7 @@ class Scheduler(SchedulerInterface):
                         stopping_token_ids=request.stopping_token_ids,
                         lora_request=request.lora_request,
                         output_token_ids=list(request.output_token_ids),
+                        mm_features=request.mm_features,
                     ),
                     num_new,
                 )
@@ -503,6 +618,10 @@ class Scheduler(SchedulerInterface):
 
     def _unservable(self, request: Request) -> bool:
         num_tokens = request.num_tokens
+        if request.mm_features and any(
+            f.mm_position.length > self._max_encoder_item for f in request.mm_features
+        ):
+            return True  # an item the encoder budget or cache can never take whole
         return (
             num_tokens > self.max_model_len
             or -(-num_tokens // self.block_size) > self._capacity_blocks
@@ -512,6 +631,8 @@ class Scheduler(SchedulerInterface):
         self, request: Request, status: RequestStatus = RequestStatus.FINISHED_IGNORED
     ) -> None:
         """Finish a request that can never run; reported by the next update_from_output."""
+        if request.mm_features:
+            self.encoder_cache_manager.free(request)
         request.status = status
         self._forget(request.request_id)
         self.finished_req_ids.add(request.request_id)
@@ -531,6 +652,8 @@ class Scheduler(SchedulerInterface):
         """Free a running request's blocks and put it back in front of the queue."""
         request = self.running.pop(index)
         self.kv_cache_manager.free(request)
+        if request.mm_features:
+            self.encoder_cache_manager.free(request)
         request.status = _PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -614,6 +737,8 @@ class Scheduler(SchedulerInterface):
             free = self.kv_cache_manager.free
             for request in finished:
                 free(request)
+                if request.mm_features:
+                    self.encoder_cache_manager.free(request)
                 req_id = request.request_id
                 self._forget(req_id)
                 self.finished_req_ids.add(req_id)

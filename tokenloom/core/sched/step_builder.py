@@ -34,11 +34,17 @@ class StepBuilder:
 
     __slots__ = (
         "token_budget", "num_scheduled", "spec_tokens", "num_computed", "new_block_ids",
-        "resumed", "new_reqs", "_initial_budget",
+        "resumed", "new_reqs", "_initial_budget", "encoder_budget", "encoder_inputs",
+        "encoder_tokens",
     )  # fmt: skip
 
-    def __init__(self, token_budget: int) -> None:
+    def __init__(self, token_budget: int, encoder_budget: int = 0) -> None:
         self._initial_budget = token_budget
+        # Encoder tokens left this step, and each request's items to encode with their
+        # total tokens (so that unschedule can give them back).
+        self.encoder_budget = encoder_budget
+        self.encoder_inputs: dict[str, list[int]] = {}
+        self.encoder_tokens: dict[str, int] = {}
         self.token_budget = token_budget
         self.num_scheduled: dict[str, int] = {}
         self.spec_tokens: dict[str, list[int]] = {}
@@ -89,8 +95,16 @@ class StepBuilder:
         self.num_scheduled[req_id] = num_new
         self.token_budget -= num_new
 
+    def add_encoder_inputs(self, req_id: str, input_ids: list[int], num_tokens: int) -> None:
+        """A scheduled request's items the runner encodes this step (``num_tokens`` in all)."""
+        self.encoder_inputs[req_id] = input_ids
+        self.encoder_tokens[req_id] = num_tokens
+        self.encoder_budget -= num_tokens
+
     def unschedule(self, req_id: str) -> None:
         """Take back a running request added earlier in this step (it was preempted)."""
+        if self.encoder_inputs.pop(req_id, None) is not None:
+            self.encoder_budget += self.encoder_tokens.pop(req_id)
         i = list(self.num_scheduled).index(req_id)  # its column: running ones come first
         del self.num_computed[i]
         self.new_block_ids = {
@@ -131,4 +145,5 @@ class StepBuilder:
             num_common_prefix_blocks=num_common_prefix_blocks,
             preempted_req_ids=preempted_req_ids,
             finished_req_ids=finished_req_ids,
+            scheduled_encoder_inputs=self.encoder_inputs,
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import Any
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -89,6 +90,10 @@ def from_validation_error(exc: ValidationError) -> OpenAIError:
     first = errors[0]
     loc = first.get("loc", ())
     param = _loc_to_param(loc)
+    meant = _member_meant(errors)
+    if meant is not None:
+        first = meant
+        param = _loc_to_param(_without_member_tags(meant["loc"]))
     where = f" ({param})" if param else ""
     return OpenAIError(f"invalid request{where}: {first.get('msg', 'invalid value')}", param)
 
@@ -110,6 +115,45 @@ def _loc_to_param(loc: tuple[int | str, ...]) -> str | None:
         else:
             break
     return param or None
+
+
+def _member_meant(errors: list[Any]) -> Any | None:
+    """The error of the union member a value was meant for: when it is not of the
+    first member's type (``content`` not a string), a deeper error below the same
+    field (``content: [{"type": "image_url"}]`` with no ``image_url``) is the one to
+    report."""
+    loc = errors[0].get("loc", ())
+    if len(errors) < 2 or not loc or not errors[0].get("type", "").endswith("_type"):
+        return None
+    if _FIELD_NAME.fullmatch(str(loc[-1])) and loc[-1] not in _TYPE_NAMES:
+        return None  # not a union member
+    field = loc[:-1]
+    deeper = [e for e in errors[1:] if e["loc"][: len(field)] == field and len(e["loc"]) > len(loc)]
+    # Several members with deeper errors (a list of strings or of ints?): no telling.
+    if len({e["loc"][len(field)] for e in deeper}) != 1:
+        return None
+    return deeper[0]
+
+
+def _without_member_tags(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """``("messages", 0, "content", "list[tagged-union[...]]", 1, "image_url",
+    "image_url", "url")`` -> ``("messages", 0, "content", 1, "image_url", "url")``:
+    union member names out, and a discriminated union's tag (repeated after a list
+    index, before the field of the same name) once."""
+    out: list[int | str] = []
+    for i, part in enumerate(loc):
+        if isinstance(part, str) and not _FIELD_NAME.fullmatch(part):
+            continue
+        if (
+            isinstance(part, str)
+            and out
+            and isinstance(out[-1], int)
+            and i + 1 < len(loc)
+            and loc[i + 1] == part
+        ):
+            continue
+        out.append(part)
+    return tuple(out)
 
 
 _FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")

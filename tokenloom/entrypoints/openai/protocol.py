@@ -9,7 +9,7 @@ reject the same values with the same messages; pydantic only checks types.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -298,11 +298,27 @@ class TextContentPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    """``url``: a ``data:image/...;base64,...`` URL, an http(s) URL, or (on a server
+    started with ``--allowed-local-media-path``) a ``file:`` URL. ``detail`` is
+    accepted and ignored, as vLLM does."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageURLContentPart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextContentPart | ImageURLContentPart, Field(discriminator="type")]
+
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class ChatMessage(BaseModel):
-    """An input message. Content parts other than text are refused.
+    """An input message: text, or text and image parts (for a vision-language model).
 
     Other keys (``tool_calls``, ``tool_call_id``, ...) are kept and reach the
     chat template, which decides what to make of them.
@@ -311,13 +327,16 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: ChatRole
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def to_template_dict(self) -> dict[str, Any]:
-        content = self.content
+        content: Any = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            if any(isinstance(part, ImageURLContentPart) for part in content):
+                content = [part.model_dump(exclude_none=True) for part in content]
+            else:
+                content = "".join(part.text for part in content)  # type: ignore[union-attr]
         message: dict[str, Any] = dict(self.model_extra or {})
         message.update(role=self.role, content=content or "")
         if self.name is not None:

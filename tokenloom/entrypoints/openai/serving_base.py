@@ -30,7 +30,7 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
 from tokenloom.engine.exceptions import EngineDeadError
-from tokenloom.engine.protocol import EngineClient
+from tokenloom.engine.protocol import EngineClient, PromptType
 from tokenloom.lora_request import LoRARequest
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
@@ -277,7 +277,7 @@ class OpenAIServing:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: PromptType,
         params: SamplingParams,
         request_id: str,
         *,

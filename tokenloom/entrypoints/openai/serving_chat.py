@@ -18,6 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.protocol import RenderedChat
+from tokenloom.multimodal.media import MediaError
 from tokenloom.outputs import CompletionOutput, RequestOutput
 from tokenloom.reasoning import StartPhase, get_reasoning_parser
 
@@ -135,7 +136,9 @@ class OpenAIServingChat:
         return ReplyParser(self.reasoning, phase, tools, checker)
 
     async def render(self, request: ChatRenderFields) -> RenderedChat:
-        """The conversation through the chat template (rendered off the event loop by the engine)."""
+        """The conversation through the chat template, with the images it shows (rendered
+        off the event loop by the engine; a bad image is a 400 naming its content part,
+        413 when it is over the size limit)."""
         if not self.trust_request_chat_template:
             if request.chat_template is not None:
                 raise OpenAIError(_UNTRUSTED_TEMPLATE, param="chat_template")
@@ -144,6 +147,8 @@ class OpenAIServingChat:
         conversation = [message.to_template_dict() for message in request.messages]
         try:
             rendered = await self.serving.engine.render_chat(conversation, request.chat_options())
+        except MediaError as exc:
+            raise OpenAIError(str(exc), exc.param, status=exc.status) from exc
         except ValueError as exc:
             raise from_value_error(exc, _TEMPLATE_FIELDS, "messages") from exc
         except EngineDeadError as exc:
@@ -163,11 +168,11 @@ class OpenAIServingChat:
         fields["structured_outputs"] = request.output_constraint()[1] or "structured_outputs"
         tool_parsing = self._tool_parsing(request)  # refused before anything runs
         serving.check_capacity(1)
-        prompt_ids = (await self.render(request)).token_ids
-        reply = self._reply_parser(tool_parsing, prompt_ids)
+        rendered = await self.render(request)
+        reply = self._reply_parser(tool_parsing, rendered.token_ids)
         request_id = new_request_id("chatcmpl")
         stream = serving.generate(
-            prompt_ids,
+            rendered.prompt,
             params,
             request_id,
             priority=request.priority,
