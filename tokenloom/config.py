@@ -508,6 +508,8 @@ class FrontendConfig:
     otlp_traces_endpoint: str | None = option(
         None,
         metavar="URL",
+        pattern=r"(https?|grpc)://\S+",
+        requirement="a URL such as http://localhost:4318",
         help="send an OpenTelemetry span per request to this OTLP collector (vLLM's flag; "
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks http/protobuf, the default, or grpc)",
     )
