@@ -9,6 +9,7 @@ cache is reset once. The replay must decide every step as recorded.
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import msgspec
@@ -22,7 +23,7 @@ from tokenloom.engine.core import EngineCore
 from tokenloom.engine.messages import EngineCoreRequest
 from tokenloom.outputs import ModelRunnerOutput
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.simulator.replay import ReplayMismatch, replay, simulate
+from tokenloom.simulator.replay import ReplayMismatch, replay, simulate, with_overrides
 
 EOS = 0
 
@@ -78,7 +79,7 @@ def record(path: Path, seed: int = 0, policy: str = "fcfs") -> dict[str, int]:
             req_id = f"req-{i}-{len(live)}"
             core.add_request(
                 EngineCoreRequest(
-                    req_id, prompt, params, EOS, arrival_time=1.0 + i, priority=rng.randrange(3)
+                    req_id, prompt, params, EOS, arrival_time=time.time(), priority=rng.randrange(3)
                 )
             )
             live.append(req_id)
@@ -170,3 +171,34 @@ def test_simulating_the_same_config_with_the_fitted_costs_runs_every_request(
     by_index = {r.index: r for r in exact.run.requests}
     for r in completed:
         assert r.num_output_tokens == by_index[r.index].num_output_tokens
+
+
+def test_simulated_settings_change_what_the_scheduler_does(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    record(path)
+    trace = read_trace(path)
+    model = replay(trace).fit_cost_model()
+    one_at_a_time = simulate(trace, model, with_overrides(trace.config, max_num_seqs=1))
+    assert max(s.shape.requests for s in one_at_a_time.steps) == 1
+    roomy = simulate(trace, model, with_overrides(trace.config, num_blocks=4096))
+    assert sum(r.num_preemptions for r in roomy.requests) == 0
+    tight = simulate(trace, model, with_overrides(trace.config, num_blocks=24))
+    assert sum(r.num_preemptions for r in tight.requests) > 0
+    for run in (one_at_a_time, roomy, tight):
+        assert all(r.finish is not None for r in run.requests if r.completed)
+
+
+def test_rate_scale_compresses_the_arrivals(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    record(path)
+    trace = read_trace(path)
+    model = replay(trace).fit_cost_model()
+    normal = simulate(trace, model)
+    twice = simulate(trace, model, rate_scale=2.0)
+    first = normal.requests[0].arrival
+    for a, b in zip(normal.requests, twice.requests, strict=True):
+        assert b.arrival - first == pytest.approx((a.arrival - first) / 2)
+    with pytest.raises(ValueError, match="rate_scale"):
+        simulate(trace, model, rate_scale=0.0)
+    with pytest.raises(ValueError, match="not a scheduler trace setting"):
+        with_overrides(trace.config, max_num_sequences=3)

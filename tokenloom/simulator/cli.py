@@ -35,14 +35,16 @@ OVERRIDES: dict[str, type] = {
 class SimulateArgs:
     """The trace to simulate and how to change its arrivals."""
 
-    trace: str = option("", metavar="FILE", help="a scheduler trace written by --record-trace")
+    trace: str | None = option(
+        None, metavar="FILE", help="the scheduler trace to replay, written by --record-trace"
+    )
     rate_scale: float = option(
         1.0, gt=0, help="arrivals come this many times as fast as recorded (2: twice the traffic)"
     )
     plot: str | None = option(
         None, metavar="PNG", help="where to draw the runs (default: beside the trace, .sim.png)"
     )
-    no_plot: bool = option(False, help="draw nothing")
+    draw: bool = option(True, help="draw the runs (--no-draw: print only)")
     json_path: str | None = option(
         None, arg="json", metavar="FILE", help="also write the figures as JSON"
     )
@@ -67,8 +69,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     try:
         sim = build(SimulateArgs, vars(args))
-        if not sim.trace:
-            raise ValueError("trace must name a scheduler trace file (--trace FILE)")
+        if sim.trace is None:
+            raise ValueError("--trace FILE is required: a scheduler trace (--record-trace)")
         trace = read_trace(sim.trace)
         config = with_overrides(trace.config, **{arg: getattr(args, arg) for arg in OVERRIDES})
         config.scheduler_config()  # validated here, with the flag's name in the message
@@ -103,7 +105,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             "simulated": simulated_summary.to_dict(),
         }
         Path(sim.json_path).write_text(json.dumps(payload, indent=2))
-    if not sim.no_plot:
+    if sim.draw:
         path = Path(sim.plot) if sim.plot else Path(sim.trace).with_suffix(".sim.png")
         try:
             plot_runs([("recorded", recorded.run), (label, simulated)], path)
