@@ -290,6 +290,8 @@ class EngineCore:
             )
         if self._recorder is not None:
             self._recorder.step(scheduler_output, started, ended, outputs.finished_requests)
+            if not scheduler.has_requests():  # idle: the trace so far is complete on disk
+                self._recorder.flush()
         first_scheduled: dict[str, float] = {}
         for output in outputs.outputs:
             if output.new_token_ids or output.finished:

@@ -310,6 +310,9 @@ class TraceRecorder:
             )
         )
 
+    def flush(self) -> None:
+        self._file.flush()
+
     def close(self) -> None:
         """Finish the requests still in flight (as ``unfinished``) and close the file."""
         if self._file.closed:
