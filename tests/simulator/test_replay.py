@@ -202,3 +202,12 @@ def test_rate_scale_compresses_the_arrivals(tmp_path: Path) -> None:
         simulate(trace, model, rate_scale=0.0)
     with pytest.raises(ValueError, match="not a scheduler trace setting"):
         with_overrides(trace.config, max_num_sequences=3)
+
+
+def test_an_earlier_trace_is_kept_beside_the_new_one(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    record(path, seed=1)
+    first = path.read_bytes()
+    record(path, seed=2)
+    assert (tmp_path / "trace.jsonl.prev").read_bytes() == first
+    assert path.read_bytes() != first

@@ -203,12 +203,17 @@ class TraceRecorder:
 
     The core calls ``add`` for each request it hands the scheduler, ``abort``
     for aborts, ``step`` after each step and ``reset`` after a prefix-cache
-    reset; ``close`` finishes the requests still in flight and the file.
+    reset; ``close`` finishes the requests still in flight and the file. A
+    file already at ``path`` is moved to ``path.prev`` first, so a core
+    restarted after a crash keeps the trace of the one that died.
     """
 
     def __init__(self, path: str | Path, config: TraceConfig) -> None:
         self.path = Path(path)
         try:
+            if self.path.exists():
+                # An earlier run's (or, after a crash, the dead core's) trace is kept.
+                self.path.replace(self.path.with_name(self.path.name + ".prev"))
             self._file: IO[bytes] = self.path.open("wb")
         except OSError as exc:
             raise ValueError(f"record_trace: cannot write {path}: {exc.strerror}") from None
