@@ -7,10 +7,11 @@ comes from ``/dashboard/events``, a server-sent event stream of
 ``/dashboard/state``, one snapshot. The feed is a stat logger, filled by the
 engine's per-step stats as they arrive; nothing here asks the scheduler.
 
-With an API key set, the data routes sit behind it like every other route;
-the page and its static files are public (``is_public_path``), since a
-browser cannot send a header when it navigates, and the page sends the key
-it asks for as ``Authorization: Bearer`` on its data requests.
+The data routes are ordinary routes, guarded by whatever guards the server's
+others. The page and its static files hold no data, and a browser cannot
+send a header when it navigates, so ``is_public_path`` names them for a key
+check to leave open; the page sends the key it asks for as
+``Authorization: Bearer`` on its data requests.
 """
 
 from __future__ import annotations
