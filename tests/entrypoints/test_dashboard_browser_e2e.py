@@ -142,7 +142,7 @@ def test_the_dashboard_fills_live_and_agrees_with_metrics(
     hits = metrics["tokenloom:prefix_cache_hits_total{}"]
     queries = metrics["tokenloom:prefix_cache_queries_total{}"]
     assert value(browser, "hit-rate") == pytest.approx(hits / queries)
-    # TTFT p50 on the page lies within the histogram's buckets around it.
+    # TTFT p50 on the page is positive and below the sum of all TTFTs on /metrics.
     ttft_p50 = value(browser, "ttft")
     assert (
         ttft_p50 is not None
