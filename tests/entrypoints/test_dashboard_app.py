@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import httpx
-import pytest
 
 from tokenloom.entrypoints.openai import dashboard
 from tokenloom.entrypoints.openai.server import build_app
@@ -15,18 +13,6 @@ from tokenloom.metrics.stats import IterationStats
 from tokenloom.outputs import SchedulerStats
 
 from .fake_engine import FakeAsyncLLM
-
-
-@pytest.fixture
-def engine() -> FakeAsyncLLM:
-    return FakeAsyncLLM()
-
-
-@pytest.fixture
-async def client(engine: FakeAsyncLLM) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=build_app(engine))
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-        yield c
 
 
 def feed_of(engine: FakeAsyncLLM) -> DashboardFeed:
