@@ -14,7 +14,7 @@ The runs alternate (base, A, B, C, then C, B, A, base for ``--repeats 2``) so
 that a busy machine weighs on all of them alike; each figure is the median
 over the repeats, and the machine's load average is kept beside each run.
 
-    .venv/bin/python benchmarks/serving/simulator_accuracy.py --num-prompts 48 --repeats 2
+    .venv/bin/python benchmarks/serving/simulator_accuracy.py --num-prompts 16 --rate 0.25 --other-rate 0.5 --repeats 2
 """
 
 from __future__ import annotations
@@ -104,13 +104,13 @@ def pct(predicted: float, measured: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--num-prompts", type=int, default=48)
-    ap.add_argument("--rate", type=float, default=1.0, help="the base run's requests/s")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--rate", type=float, default=0.25, help="the base run's requests/s")
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--other-max-num-seqs", type=int, default=4)
     ap.add_argument("--other-max-num-batched-tokens", type=int, default=128)
-    ap.add_argument("--other-rate", type=float, default=2.0)
+    ap.add_argument("--other-rate", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=8137)
