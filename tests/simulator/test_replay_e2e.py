@@ -32,10 +32,6 @@ QUESTIONS = [
     "When did the Roman Empire fall?",
     "What is photosynthesis?",
     "Which planet has the most moons?",
-    "How do volcanoes form?",
-    "What is the speed of light?",
-    "Who wrote the first dictionary?",
-    "Why do leaves change colour?",
 ]
 
 
@@ -43,7 +39,7 @@ def test_a_recorded_run_replays_exactly(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     llm = LLM(
         record_trace=str(path),
-        num_blocks=20,
+        num_blocks=12,
         max_num_seqs=6,
         max_num_batched_tokens=96,
         long_prefill_token_threshold=64,
@@ -51,7 +47,7 @@ def test_a_recorded_run_replays_exactly(tmp_path: Path) -> None:
     )
     # Half of them run to their length, so the cache fills; the others may stop at EOS.
     params = [
-        SamplingParams(max_tokens=40 + 16 * (i % 4), temperature=0, ignore_eos=i % 2 == 0)
+        SamplingParams(max_tokens=32 + 8 * (i % 4), temperature=0, ignore_eos=i % 2 == 0)
         for i in range(len(QUESTIONS))
     ]
     outputs = llm.generate([PREFIX + q for q in QUESTIONS], params, use_tqdm=False)
