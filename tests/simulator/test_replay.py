@@ -18,7 +18,7 @@ import pytest
 from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.core.sched.output import SchedulerOutput
 from tokenloom.core.sched.scheduler import Scheduler
-from tokenloom.core.sched.trace import TraceHeader, anonymize, read_trace
+from tokenloom.core.sched.trace import TraceArrival, TraceHeader, anonymize, read_trace
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.messages import EngineCoreRequest
 from tokenloom.outputs import ModelRunnerOutput
@@ -211,3 +211,16 @@ def test_an_earlier_trace_is_kept_beside_the_new_one(tmp_path: Path) -> None:
     record(path, seed=2)
     assert (tmp_path / "trace.jsonl.prev").read_bytes() == first
     assert path.read_bytes() != first
+
+
+def test_a_trace_with_images_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    record(path)
+    lines = path.read_bytes().splitlines()
+    at = next(i for i, line in enumerate(lines) if b'"type":"arrival"' in line)
+    arrival = msgspec.json.decode(lines[at], type=TraceArrival)
+    arrival.images = 2
+    lines[at] = msgspec.json.encode(arrival)
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(ValueError, match="1 of the trace's requests have images"):
+        replay(read_trace(path))

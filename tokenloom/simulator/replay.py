@@ -112,6 +112,12 @@ def check_replayable(trace: Trace) -> None:
             "the trace was recorded with speculative decoding, which the simulator does not "
             "model (drafts depend on the text)"
         )
+    with_images = sum(1 for arrival in trace.arrivals if arrival.images)
+    if with_images:
+        raise ValueError(
+            f"{with_images} of the trace's requests have images, whose vision encoder work "
+            "the simulator does not model"
+        )
 
 
 class _Runner:

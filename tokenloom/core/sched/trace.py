@@ -135,6 +135,8 @@ class TraceArrival(msgspec.Struct, tag="arrival", kw_only=True):
     priority: int = 0
     lora_int_id: int = 0
     structured: bool = False
+    # Images in the prompt: their encoder work shapes the steps, and a trace keeps none of it.
+    images: int = 0
 
 
 class TraceFinish(msgspec.Struct, tag="finish", kw_only=True):
@@ -250,6 +252,7 @@ class TraceRecorder:
                 priority=request.priority,
                 lora_int_id=request.lora_int_id,
                 structured=request.sampling_params.structured_outputs is not None,
+                images=len(request.mm_features or ()),
             )
         )
         self._live[request.request_id] = (index, len(tokens) - num_prompt, request)
