@@ -51,6 +51,9 @@ def main() -> int:
     assert not compilers, f"a compiler is reachable: {compilers}"
     package = Path(tokenloom.__file__).resolve().parent
     assert Path(sys.prefix).resolve() in package.parents, f"tokenloom from {package}, not the venv"
+    static = package / "entrypoints" / "openai" / "dashboard_static"
+    for name in ("index.html", "dashboard.js", "vendor/uPlot.iife.min.js", "vendor/uPlot.LICENSE"):
+        assert (static / name).is_file(), f"the wheel lacks the dashboard's {name}"
     machine = platform.machine()
     expected = {v.name for v in cpu_variants.variants_for(machine)}
     built = set(native_library.built_variants())

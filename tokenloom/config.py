@@ -232,6 +232,14 @@ class SchedulerConfig:
         "and keep it after them until its room is needed (off: every request encodes its own "
         "images)",
     )
+    # Beside the decisions it records; the engine core writes it (``core.sched.trace``).
+    record_trace: str | None = option(
+        None,
+        metavar="FILE",
+        help="write a scheduler trace (arrivals, request shapes, each step's decision and its "
+        "duration) to FILE, for tokenloom simulate; with data parallel, one file per core "
+        "(FILE.dpN)",
+    )
 
     def __post_init__(self) -> None:
         validate(self)
@@ -496,6 +504,14 @@ class FrontendConfig:
         20 * 1024 * 1024,
         ge=1,
         help="largest image a request may send or name, in bytes (beyond it: HTTP 413)",
+    )
+    otlp_traces_endpoint: str | None = option(
+        None,
+        metavar="URL",
+        pattern=r"(https?|grpc)://\S+",
+        requirement="a URL such as http://localhost:4318",
+        help="send an OpenTelemetry span per request to this OTLP collector (vLLM's flag; "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks http/protobuf, the default, or grpc)",
     )
 
     def __post_init__(self) -> None:

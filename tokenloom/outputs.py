@@ -67,6 +67,25 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs] | None] | None = None
 
 
+class StepStats(msgspec.Struct):
+    """What one engine step ran and how long it took (the dashboard's batch view).
+
+    Tokens are split by kind: a running request's single new token is a
+    decode token, drafts verified with it are draft tokens, everything else
+    (prompt chunks, recomputation after a preemption) is prefill.
+    ``preempted_req_ids``: requests this step preempted.
+    """
+
+    index: int
+    timestamp: float  # time.time() at the end of the step
+    duration_s: float  # schedule, execute and update
+    num_reqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_draft_tokens: int
+    preempted_req_ids: list[str] = msgspec.field(default_factory=list)
+
+
 class SchedulerStats(msgspec.Struct):
     """A snapshot taken each step, turned into Prometheus metrics elsewhere.
 
@@ -87,6 +106,18 @@ class SchedulerStats(msgspec.Struct):
     num_structured_requests: int = 0
     grammar_compile_times: list[float] = msgspec.field(default_factory=list)
     grammar_cache_hits: int = 0
+    # The engine core's step that produced this snapshot (None: no step ran).
+    step: StepStats | None = None
+    # A map of the KV cache, one byte per usable block (``KV_BLOCK_*``), sent
+    # a few times a second at most (None in the other snapshots).
+    kv_block_map: bytes | None = None
+
+
+# States of a block in ``SchedulerStats.kv_block_map``.
+KV_BLOCK_FREE = 0  # free, holding nothing reusable
+KV_BLOCK_CACHED = 1  # free, but its prefix can still be hit until it is reused
+KV_BLOCK_USED = 2  # held by one request
+KV_BLOCK_SHARED = 3  # held by several requests (a shared prefix)
 
 
 class EngineCoreOutput(msgspec.Struct):

@@ -182,3 +182,31 @@ async def test_abort_ends_a_waiting_stream(tokenizer: Any, inputs: InputProcesso
     last = await asyncio.wait_for(collector.get(), 1)
     assert last.finished
     assert [(c.index, c.finish_reason) for c in last.outputs] == [(1, "abort")]
+
+
+def test_timelines_carry_scheduling_preemptions_and_trace_context(
+    tokenizer: Any, inputs: InputProcessor
+) -> None:
+    _, reqs = inputs.process("t", [5, 6, 7], SamplingParams(max_tokens=3), arrival_time=10.0)
+    proc = OutputProcessor(tokenizer)
+    headers = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+    proc.add_request("t", None, reqs, trace_headers=headers)
+    first = IterationStats()
+    proc.process_outputs([out("t", [8], num_cached_tokens=2)], 11.0, first, {"t": 10.5})
+    [started] = first.started_requests
+    assert (started.request_id, started.first_scheduled_time, started.first_token_time) == (
+        "t",
+        10.5,
+        11.0,
+    )
+    assert started.finish_time is None
+    proc.record_preemptions(["t", "unknown"], 11.5)
+    last = IterationStats()
+    proc.process_outputs([out("t", [9, 10], FinishReason.LENGTH, num_cached_tokens=2)], 12.0, last)
+    [done] = last.finished_requests
+    assert done.timeline is not None
+    assert done.timeline.preemption_times == [11.5]
+    assert done.timeline.finish_time == 12.0 and done.timeline.finish_reason == "length"
+    assert done.timeline.num_generation_tokens == 3 and done.timeline.num_cached_tokens == 2
+    assert done.trace_headers == headers
+    assert done.sampling_params is not None and done.sampling_params.max_tokens == 3

@@ -13,7 +13,7 @@ real Jinja template.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,7 @@ class FakeAsyncLLM:
         self.conversations: list[list[dict[str, Any]]] = []
         self.chat_options: list[ChatOptions] = []
         self.loras: list[LoRARequest | None] = []  # per started request
+        self.trace_headers: list[dict[str, str] | None] = []  # per generate() call
         self.added_loras: list[LoRARequest] = []
         self.removed_loras: list[int] = []
         self._jinja = ImmutableSandboxedEnvironment()
@@ -156,9 +157,11 @@ class FakeAsyncLLM:
         priority: int = 0,
         delta: bool = False,
         lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self.errored:
             raise EngineDeadError()
+        self.trace_headers.append(dict(trace_headers) if trace_headers else None)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(ids, sampling_params)
         self.started.append(request_id)

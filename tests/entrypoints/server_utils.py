@@ -29,11 +29,13 @@ def free_port() -> int:
 class RemoteServer:
     """``python -m tokenloom.entrypoints.cli serve`` on a free port, ready when /health is 200."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        """``env``: variables to set for the server beside the test's own."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="2")
+        path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="2", **(env or {}))
         command = [sys.executable, "-m", "tokenloom.entrypoints.cli", "--log-level", "WARNING"]
         command += ["serve", "--port", str(self.port), *args]
         self._log = log_path.open("wb")

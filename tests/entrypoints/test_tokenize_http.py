@@ -2,27 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import httpx
 import pytest
 
-from tokenloom.entrypoints.openai.server import build_app
-
 from .fake_engine import FakeAsyncLLM
 from .test_app_fake_engine import assert_error
-
-
-@pytest.fixture
-def engine() -> FakeAsyncLLM:
-    return FakeAsyncLLM()
-
-
-@pytest.fixture
-async def client(engine: FakeAsyncLLM) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=build_app(engine))
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-        yield c
 
 
 async def test_tokenize_a_prompt(client: httpx.AsyncClient) -> None:

@@ -22,7 +22,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, Collection, Iterable
+from collections.abc import AsyncGenerator, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -223,12 +223,15 @@ class AsyncLLM(EngineClient):
         priority: int = 0,
         delta: bool = False,
         lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream outputs of one request; the last has ``finished=True``.
 
         The prompt is tokenized and validated in the input thread pool. Raises
         ``ValueError`` (naming the field) for an invalid request, before
         anything is queued, and ``EngineDeadError`` when the engine dies.
+        ``trace_headers``: the caller's W3C trace context, which the request's
+        span continues (``--otlp-traces-endpoint``).
         """
         if self.errored or self._closed:
             raise self.dead_error
@@ -245,7 +248,7 @@ class AsyncLLM(EngineClient):
         if self.errored or self._closed:  # it died while we tokenized
             raise self.dead_error
         collector = RequestOutputCollector(delta)
-        self.output_processor.add_request(request_id, text, requests, collector)
+        self.output_processor.add_request(request_id, text, requests, collector, trace_headers)
         finished = False
         try:
             self._ensure_output_handler()
@@ -383,8 +386,12 @@ class AsyncLLM(EngineClient):
             )
             if processed.reqs_to_abort:
                 self.client.abort_requests(processed.reqs_to_abort)
-        if outputs.scheduler_stats is not None:
-            self._core_stats[result.engine_index] = outputs.scheduler_stats
+        scheduler_stats = outputs.scheduler_stats
+        if scheduler_stats is not None:
+            self._core_stats[result.engine_index] = scheduler_stats
+            step = scheduler_stats.step
+            if step is not None and step.preempted_req_ids:
+                self.output_processor.record_preemptions(step.preempted_req_ids, now)
         for stat_logger in self.stat_loggers:
             stat_logger.record(outputs.scheduler_stats, stats)
 

@@ -20,6 +20,8 @@ from tokenloom.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConf
 from tokenloom.core.kv_cache.events import KVCacheEvent
 from tokenloom.core.sched.output import SchedulerOutput
 from tokenloom.core.sched.scheduler import Scheduler
+from tokenloom.core.sched.step_stats import StepObserver
+from tokenloom.core.sched.trace import TraceConfig, TraceRecorder, trace_path
 from tokenloom.engine.messages import CoreOutputs, EngineCoreRequest
 from tokenloom.outputs import EngineCoreOutputs, ModelRunnerOutput
 from tokenloom.request import Request, RequestStatus
@@ -84,7 +86,10 @@ class EngineCore:
         scheduler_config: SchedulerConfig,
         lora_config: LoRAConfig | None = None,
         structured_output_manager: StructuredOutputManager | None = None,
+        engine_index: int = 0,
+        data_parallel_size: int = 1,
     ) -> None:
+        """``engine_index`` of ``data_parallel_size`` cores: names this core's trace file."""
         self.runner = runner
         self.num_blocks: int = runner.num_blocks
         self.cache_config = dataclasses.replace(cache_config, num_blocks=self.num_blocks)
@@ -112,6 +117,20 @@ class EngineCore:
         self.last_num_scheduled_tokens = 0
         # Tensor-parallel workers, stopped with the core (set by ``from_config``).
         self.executor: MultiprocExecutor | None = None
+        # Each step's batch and, a few times a second, a KV block map (the dashboard's).
+        self._observer = StepObserver(self.scheduler.kv_cache_manager)
+        self._recorder: TraceRecorder | None = None
+        if scheduler_config.record_trace is not None:
+            self._recorder = TraceRecorder(
+                trace_path(scheduler_config.record_trace, engine_index, data_parallel_size),
+                TraceConfig.of(
+                    scheduler_config,
+                    self.cache_config,
+                    self.max_model_len,
+                    self.scheduler.num_speculative_tokens,
+                    lora_config.max_loras if lora_config is not None else 0,
+                ),
+            )
 
     @classmethod
     def from_config(
@@ -120,10 +139,12 @@ class EngineCore:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         lora_config: LoRAConfig | None = None,
+        engine_index: int = 0,
     ) -> EngineCore:
         """The core over the real ``ModelRunner`` (loads the weights; imports torch), or
         over a ``MultiprocExecutor`` of worker processes when
-        ``model_config.parallel_config.tensor_parallel_size`` > 1."""
+        ``model_config.parallel_config.tensor_parallel_size`` > 1. ``engine_index``:
+        this core's data parallel rank."""
         from tokenloom.executor.multiproc import MultiprocExecutor
         from tokenloom.worker.model_runner import ModelRunner
 
@@ -154,6 +175,8 @@ class EngineCore:
                 scheduler_config,
                 lora_config,
                 structured_output_manager=structured,
+                engine_index=engine_index,
+                data_parallel_size=model_config.parallel_config.data_parallel_size,
             )
         except BaseException:
             structured.shutdown()
@@ -176,25 +199,28 @@ class EngineCore:
         return core
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(
-            Request(
-                request.request_id,
-                request.prompt_token_ids,
-                request.sampling_params,
-                eos_token_id=request.eos_token_id,
-                arrival_time=request.arrival_time,
-                priority=request.priority,
-                lora_request=request.lora_request,
-                prior_output_token_ids=request.prior_output_token_ids,
-                mm_features=request.mm_features,
-            )
+        core_request = Request(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            eos_token_id=request.eos_token_id,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            lora_request=request.lora_request,
+            prior_output_token_ids=request.prior_output_token_ids,
+            mm_features=request.mm_features,
         )
+        self.scheduler.add_request(core_request)
+        if self._recorder is not None:
+            self._recorder.add(core_request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finish requests now; their blocks are free when this returns."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for request_id in request_ids:
             self._first_scheduled.pop(request_id, None)
+        if self._recorder is not None:
+            self._recorder.abort(request_ids)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop an unloaded adapter's weights (the front end ensures no request uses it)."""
@@ -205,7 +231,10 @@ class EngineCore:
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget cached blocks (see ``Scheduler.reset_prefix_cache``); False if it could not."""
-        return self.scheduler.reset_prefix_cache(reset_running_requests)
+        done = self.scheduler.reset_prefix_cache(reset_running_requests)
+        if self._recorder is not None:
+            self._recorder.reset(reset_running_requests, done)
+        return done
 
     def enable_kv_events(self) -> None:
         """Record KV cache events (blocks stored, evicted, cleared) for ``take_kv_events``."""
@@ -223,6 +252,7 @@ class EngineCore:
         scheduler = self.scheduler
         if not scheduler.has_requests():
             return None
+        started = time.perf_counter()
         scheduler_output = scheduler.schedule()
         self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         now = time.time()
@@ -249,9 +279,19 @@ class EngineCore:
             drafts = self.runner.take_draft_token_ids()
             if drafts:
                 scheduler.update_draft_token_ids(drafts)
+        ended = time.perf_counter()
         outputs = per_client.get(_CLIENT_INDEX)
         if outputs is None:
             outputs = EngineCoreOutputs()
+        stats = outputs.scheduler_stats
+        if stats is not None:
+            stats.step, stats.kv_block_map = self._observer.observe(
+                scheduler_output, started, ended
+            )
+        if self._recorder is not None:
+            self._recorder.step(scheduler_output, started, ended, outputs.finished_requests)
+            if not scheduler.has_requests():  # idle: the trace so far is complete on disk
+                self._recorder.flush()
         first_scheduled: dict[str, float] = {}
         for output in outputs.outputs:
             if output.new_token_ids or output.finished:
@@ -261,6 +301,8 @@ class EngineCore:
         return CoreOutputs(outputs, first_scheduled)
 
     def shutdown(self) -> None:
+        if self._recorder is not None:
+            self._recorder.close()
         self.scheduler.shutdown()
         if self.structured_output_manager is not None:
             self.structured_output_manager.shutdown()

@@ -73,7 +73,9 @@ def run_engine_core(
 
         # Healthy as soon as the weights are in; the KV cache's pages follow.
         huge_pages.populate_in_background()
-        core = EngineCore.from_config(model_config, cache_config, scheduler_config, lora_config)
+        core = EngineCore.from_config(
+            model_config, cache_config, scheduler_config, lora_config, engine_index=engine_index
+        )
     except BaseException as exc:
         message = f"engine core failed to start: {type(exc).__name__}: {exc}"
         handshake.send_bytes(encode(StartupError(message + "\n" + traceback.format_exc())))

@@ -12,14 +12,14 @@ core. Latencies for ``IterationStats`` are measured here too.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.engine.messages import EngineCoreRequest
 from tokenloom.engine.recovery import InFlight
-from tokenloom.metrics.stats import FinishedRequestStats, IterationStats
+from tokenloom.metrics.stats import FinishedRequestStats, IterationStats, RequestTimeline
 from tokenloom.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprobs
 from tokenloom.request import FinishReason
 
@@ -126,6 +126,7 @@ class _SequenceState:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time = 0.0
+        self.preemption_times: list[float] = []
 
     @property
     def finished(self) -> bool:
@@ -172,6 +173,20 @@ class _SequenceState:
             logprobs=logprobs,
         )
 
+    def timeline(self, finish_time: float | None = None) -> RequestTimeline:
+        return RequestTimeline(
+            request_id=self.request_id,
+            arrival_time=self.arrival_time,
+            first_scheduled_time=self.first_scheduled_time,
+            first_token_time=self.first_token_time,
+            finish_time=finish_time,
+            preemption_times=list(self.preemption_times),
+            num_prompt_tokens=len(self.parent.prompt_token_ids),
+            num_generation_tokens=len(self.token_ids),
+            num_cached_tokens=self.num_cached_tokens,
+            finish_reason=None if self.finish_reason is None else self.finish_reason.value,
+        )
+
     def finished_stats(self, now: float) -> FinishedRequestStats:
         first_scheduled = self.first_scheduled_time or self.arrival_time
         first_token = self.first_token_time or now
@@ -183,6 +198,9 @@ class _SequenceState:
             decode_time=max(now - first_token, 0.0),
             num_prompt_tokens=len(self.parent.prompt_token_ids),
             num_generation_tokens=len(self.token_ids),
+            timeline=self.timeline(now),
+            sampling_params=self.request.sampling_params,
+            trace_headers=self.parent.trace_headers,
         )
 
 
@@ -199,11 +217,13 @@ class _ParentState:
         prompt: str | None,
         prompt_token_ids: list[int],
         collector: RequestOutputCollector | None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.collector = collector
+        self.trace_headers = trace_headers
         self.sequences: list[_SequenceState] = []
 
     @property
@@ -243,14 +263,20 @@ class OutputProcessor:
         prompt: str | None,
         child_requests: list[EngineCoreRequest],
         collector: RequestOutputCollector | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> None:
-        """Track a user request whose completions are ``child_requests`` (index order)."""
+        """Track a user request whose completions are ``child_requests`` (index order);
+        ``trace_headers``: the W3C trace context it came with (request tracing)."""
         ids = [request_id] + [c.request_id for c in child_requests if c.request_id != request_id]
         taken = [i for i in ids if i in self]
         if taken:
             raise ValueError(f"request_id {taken[0]!r} is already in use")
         parent = _ParentState(
-            request_id, prompt, child_requests[0].prompt_token_ids, collector=collector
+            request_id,
+            prompt,
+            child_requests[0].prompt_token_ids,
+            collector=collector,
+            trace_headers=trace_headers,
         )
         for index, child in enumerate(child_requests):
             state = _SequenceState(parent, index, child, self._tokenizer)
@@ -287,6 +313,14 @@ class OutputProcessor:
         else:
             found = list(sequences.values())
         return [InFlight(s.request, list(s.token_ids)) for s in found if not s.finished]
+
+    def record_preemptions(self, core_request_ids: Iterable[str], now: float) -> None:
+        """The engine core preempted these requests (their timelines show it)."""
+        sequences = self._sequences
+        for req_id in core_request_ids:
+            seq = sequences.get(req_id)
+            if seq is not None:
+                seq.preemption_times.append(now)
 
     def propagate_error(self, error: BaseException) -> None:
         """The engine died: every waiting consumer gets ``error``."""
@@ -345,6 +379,7 @@ class OutputProcessor:
             seq.first_token_time = now
             stats.num_prompt_tokens += len(seq.parent.prompt_token_ids)
             stats.time_to_first_tokens_iter.append(now - seq.arrival_time)
+            stats.started_requests.append(seq.timeline())
         else:
             stats.inter_token_latencies_iter.append(now - seq.last_token_time)
         seq.last_token_time = now

@@ -7,7 +7,7 @@ a particular implementation.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
@@ -125,8 +125,12 @@ class EngineClient(Protocol):
         priority: int = 0,
         delta: bool = False,
         lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; the last has ``finished=True``.
+
+        ``trace_headers``: the HTTP request's W3C trace context (``traceparent``,
+        ``tracestate``), continued by the request's span when tracing is on.
 
         Tokenization and validation run off the event loop. Raises ``ValueError``
         (naming the field) for an invalid request, ``EngineDeadError`` when the

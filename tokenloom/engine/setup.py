@@ -28,6 +28,8 @@ from tokenloom.structured_output.reasoning_gate import ReasoningTokens
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
+    from tokenloom.metrics.tracing import RequestTracer
+
 
 @dataclass(frozen=True)
 class FrontEnd:
@@ -50,6 +52,8 @@ class EngineSetup:
     engine_args: EngineArgs
     config: EngineConfig
     arch: ModelArchConfig
+    # Spans of finished requests to --otlp-traces-endpoint (None: tracing off).
+    tracer: RequestTracer | None = None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> EngineSetup:
@@ -60,7 +64,13 @@ class EngineSetup:
         path = resolve_model_path(config.model_config.model, config.model_config.revision)
         model_config = dataclasses.replace(config.model_config, model=str(path))
         located = dataclasses.replace(config, model_config=model_config)
-        return cls(engine_args, located, load_arch_config(path))
+        tracer = None
+        endpoint = config.frontend_config.otlp_traces_endpoint
+        if endpoint is not None:  # before any core starts: a missing exporter fails here
+            from tokenloom.metrics.tracing import RequestTracer
+
+            tracer = RequestTracer.to_endpoint(engine_args.get_served_model_name(), endpoint)
+        return cls(engine_args, located, load_arch_config(path), tracer)
 
     @property
     def core_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig | None]:
@@ -128,4 +138,6 @@ class EngineSetup:
             media_limits=limits,
         )
         stat_loggers: list[StatLogger] = [LoggingStatLogger()] if frontend.log_stats else []
+        if self.tracer is not None:
+            stat_loggers.append(self.tracer)
         return FrontEnd(tokenizer, input_processor, OutputProcessor(tokenizer), stat_loggers)

@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(chat)
     chat.set_defaults(func=_cmd_chat, seed=None)
 
+    from tokenloom.simulator.cli import register_simulate_command
+
+    register_simulate_command(subparsers)
+
     try:
         from tokenloom.bench.cli import register_bench_commands
     except ImportError:

@@ -9,14 +9,33 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from tokenloom.metrics.spec_decode import SpecDecodingSummary
 from tokenloom.outputs import SchedulerStats
+from tokenloom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestTimeline:
+    """One request (one of its ``n`` sequences) as the front end saw it: ``time.time()``
+    of each event, None until it happened; ``preemption_times``: each time the
+    engine core preempted it."""
+
+    request_id: str
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    preemption_times: list[float] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -25,6 +44,9 @@ class FinishedRequestStats:
 
     ``queued_time`` runs from arrival to first schedule, ``prefill_time`` from
     first schedule to first token, ``decode_time`` from first token to finish.
+    ``timeline`` holds the events themselves; ``sampling_params`` and
+    ``trace_headers`` (W3C ``traceparent``/``tracestate`` of the HTTP request)
+    are for request tracing.
     """
 
     finish_reason: str
@@ -34,6 +56,9 @@ class FinishedRequestStats:
     decode_time: float = 0.0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    timeline: RequestTimeline | None = None
+    sampling_params: SamplingParams | None = None
+    trace_headers: Mapping[str, str] | None = None
 
 
 @dataclass
@@ -47,6 +72,8 @@ class IterationStats:
     time_to_first_tokens_iter: list[float] = field(default_factory=list)
     inter_token_latencies_iter: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # Requests whose first token came in this output: their timelines so far.
+    started_requests: list[RequestTimeline] = field(default_factory=list)
     # Engine core start attempts after a crash (crash recovery).
     num_engine_restarts: int = 0
 

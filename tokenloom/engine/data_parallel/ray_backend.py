@@ -88,7 +88,7 @@ class EngineCoreActor:
         """Load the model, bind the input socket: (input address, blocks, context, pid)."""
         from tokenloom.engine.core import EngineCore
 
-        self._core = EngineCore.from_config(*self._configs)
+        self._core = EngineCore.from_config(*self._configs, engine_index=self._engine_index)
         ip = _ray().util.get_node_ip_address()
         port = self._input.bind_to_random_port(f"tcp://{ip}")
         return f"tcp://{ip}:{port}", self._core.num_blocks, self._core.max_model_len, os.getpid()

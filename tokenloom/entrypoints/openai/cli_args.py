@@ -54,6 +54,10 @@ class ServerArgs:
         help="how to find tool calls in output for tool_choice auto (default: hermes, the "
         "format of the bundled tool template)",
     )
+    dashboard: bool = option(
+        True,
+        help="serve the live dashboard at /dashboard (requests, batches, KV cache, latencies)",
+    )
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = option(
         "warning", help="uvicorn's log level"
     )

@@ -24,10 +24,12 @@ import tokenloom
 from tokenloom.default_model import DEFAULT_MODEL_NAME
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.protocol import EngineClient
+from tokenloom.metrics.dashboard import DashboardFeed
 from tokenloom.metrics.prometheus import PrometheusStatLogger
 from tokenloom.model.hub import looks_like_hub_id
 
 from .cli_args import ServerArgs
+from .dashboard import add_dashboard_routes
 from .errors import OpenAIError, error_body
 from .openapi import ERROR_RESPONSES, generation_responses, install_openapi, json_body
 from .protocol import (
@@ -105,6 +107,7 @@ def build_app(
     reasoning_parser: str | None = None,
     registry: CollectorRegistry | None = None,
     enable_lora: bool = False,
+    dashboard: bool = True,
 ) -> FastAPI:
     """An app serving ``engine`` under ``served_model_name`` (default: the engine's name).
 
@@ -115,7 +118,9 @@ def build_app(
     (the engine must have it too) adds the LoRA adapter endpoints.
     ``tool_call_parser`` extracts calls for ``tool_choice: "auto"``, which
     needs ``enable_auto_tool_choice``. ``reasoning_parser`` (the engine's)
-    splits a reasoning model's thinking from its answer.
+    splits a reasoning model's thinking from its answer. ``dashboard`` serves
+    the live dashboard at ``/dashboard``, fed by a ``DashboardFeed`` that joins
+    ``engine.stat_loggers``.
     """
     model_name = served_model_name or engine.model_name
     adapters = LoRAAdapters(engine, (model_name, engine.model_name)) if enable_lora else None
@@ -137,6 +142,10 @@ def build_app(
             )
         )
     metrics_registry = registry
+    feed = None
+    if dashboard:
+        feed = DashboardFeed(model_name, engine.data_parallel_size)
+        engine.stat_loggers.append(feed)
 
     app = FastAPI(title="tokenloom", version=tokenloom.__version__)
     app.state.serving = serving
@@ -281,6 +290,8 @@ def build_app(
     async def metrics() -> Response:
         return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
+    if feed is not None:
+        add_dashboard_routes(app, feed)
     return app
 
 
@@ -343,6 +354,7 @@ async def _serve(
             tool_call_parser=server_args.tool_call_parser,
             enable_auto_tool_choice=server_args.enable_auto_tool_choice,
             reasoning_parser=engine_args.config.frontend_config.reasoning_parser,
+            dashboard=server_args.dashboard,
         )
         adapters = app.state.serving.adapters
         for name, path in lora_modules:

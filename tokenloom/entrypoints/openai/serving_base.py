@@ -58,6 +58,17 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# The W3C trace context headers a request's span continues (vLLM's TRACE_HEADERS).
+TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+def trace_headers(raw_request: Request) -> dict[str, str] | None:
+    """The request's W3C trace context headers, None when it has none."""
+    headers = raw_request.headers
+    found = {name: headers[name] for name in TRACE_HEADERS if name in headers}
+    return found or None
+
+
 async def read_body(raw_request: Request, max_bytes: int) -> bytes:
     """The request body, refused with 413 as soon as it is known to exceed ``max_bytes``:
     from Content-Length up front, or while a chunked upload streams in."""
@@ -286,12 +297,19 @@ class OpenAIServing:
         fields: Mapping[str, str],
         prompt_param: str,
         lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """``engine.generate`` with errors mapped to OpenAIError and admission bookkeeping."""
         self._num_not_started += 1
         started = False
         stream = self.engine.generate(
-            prompt, params, request_id, priority=priority, delta=delta, lora_request=lora_request
+            prompt,
+            params,
+            request_id,
+            priority=priority,
+            delta=delta,
+            lora_request=lora_request,
+            trace_headers=trace_headers,
         )
         in_use: AbstractContextManager[None] = (
             self.adapters.in_use(lora_request) if self.adapters is not None else nullcontext()

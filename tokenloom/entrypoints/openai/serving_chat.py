@@ -51,6 +51,7 @@ from .serving_base import (
     sse,
     sse_error,
     top_entries,
+    trace_headers,
 )
 from .tool_parsers import CheckedCall, ToolCallChecker, ToolParser
 from .tools import (
@@ -180,6 +181,7 @@ class OpenAIServingChat:
             fields=fields,
             prompt_param="messages",
             lora_request=lora,
+            trace_headers=trace_headers(raw_request),
         )
         if request.stream:
             [primed] = await serving.until_ready(raw_request, [prime(stream)], [stream])

@@ -33,6 +33,7 @@ from .serving_base import (
     sse,
     sse_error,
     top_entries,
+    trace_headers,
 )
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class OpenAIServingCompletion:
                 fields=fields,
                 prompt_param="prompt",
                 lora_request=lora,
+                trace_headers=trace_headers(raw_request),
             )
             for i, prompt in enumerate(prompts)
         ]
