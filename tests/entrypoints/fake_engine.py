@@ -75,6 +75,7 @@ class FakeAsyncLLM:
         self.conversations: list[list[dict[str, Any]]] = []
         self.chat_options: list[ChatOptions] = []
         self.loras: list[LoRARequest | None] = []  # per started request
+        self.tenants: list[tuple[str, float]] = []  # per started request
         self.added_loras: list[LoRARequest] = []
         self.removed_loras: list[int] = []
         self._jinja = ImmutableSandboxedEnvironment()
@@ -156,6 +157,8 @@ class FakeAsyncLLM:
         priority: int = 0,
         delta: bool = False,
         lora_request: LoRARequest | None = None,
+        tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
         if self.errored:
             raise EngineDeadError()
@@ -163,6 +166,7 @@ class FakeAsyncLLM:
         self._validate(ids, sampling_params)
         self.started.append(request_id)
         self.loras.append(lora_request)
+        self.tenants.append((tenant, tenant_weight))
         self.prompts.append(ids)
         self.params.append(sampling_params)
         self.num_running_requests += 1

@@ -187,6 +187,8 @@ class EngineCore:
                 lora_request=request.lora_request,
                 prior_output_token_ids=request.prior_output_token_ids,
                 mm_features=request.mm_features,
+                tenant=request.tenant,
+                tenant_weight=request.tenant_weight,
             )
         )
 

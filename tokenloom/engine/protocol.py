@@ -125,8 +125,13 @@ class EngineClient(Protocol):
         priority: int = 0,
         delta: bool = False,
         lora_request: LoRARequest | None = None,
+        tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; the last has ``finished=True``.
+
+        ``tenant`` (the sender, "" for the default tenant) and ``tenant_weight``
+        (its share under the fair policy) travel with the request to the scheduler.
 
         Tokenization and validation run off the event loop. Raises ``ValueError``
         (naming the field) for an invalid request, ``EngineDeadError`` when the
