@@ -80,6 +80,8 @@ class FakeAsyncLLM:
         self.removed_loras: list[int] = []
         self._jinja = ImmutableSandboxedEnvironment()
         self.reply: str | None = None
+        # While set and not yet fired, requests wait (queued) before their first output.
+        self.hold: asyncio.Event | None = None
 
     @property
     def dead_error(self) -> EngineDeadError:
@@ -180,6 +182,8 @@ class FakeAsyncLLM:
         tokens: list[list[int]] = [[] for _ in range(sampling_params.n)]
         history: list[list[dict[int, float]]] = [[] for _ in range(sampling_params.n)]
         try:
+            if self.hold is not None:
+                await self.hold.wait()
             for step in range(max_tokens):
                 if self.step_delay:
                     await asyncio.sleep(self.step_delay)
