@@ -220,8 +220,10 @@ async def test_tokens_per_minute_refills(
         await client.post("/v1/completions", json=COMPLETION, headers=auth("sk-dave"))
     ).status_code == 200
     r = await _refused(client, "sk-dave", "tokens_per_minute")
-    assert r.headers["retry-after"] == "40"  # 4 tokens at 6 per minute
-    now[0] += 40.5
+    assert r.headers["retry-after"] == "41"  # 4 tokens at 6 per minute, then one more
+    now[0] += 40
+    await _refused(client, "sk-dave", "tokens_per_minute")  # empty, not yet positive
+    now[0] += 1
     assert (
         await client.post("/v1/completions", json=COMPLETION, headers=auth("sk-dave"))
     ).status_code == 200

@@ -203,7 +203,8 @@ class Tenant:
             refusal = ("waiting_requests", f"{config.max_waiting_requests} waiting requests", 1)
         elif config.tokens_per_minute is not None and self.tokens_left() <= 0:
             per_second = config.tokens_per_minute / 60
-            wait = max(1, math.ceil(-self._bucket / per_second))
+            # Whole seconds after which the bucket holds a token again.
+            wait = math.floor(-self._bucket / per_second) + 1
             refusal = ("tokens_per_minute", f"{config.tokens_per_minute} tokens per minute", wait)
         if refusal is not None:
             reason, limit, retry_after = refusal
