@@ -10,7 +10,11 @@ region. Reports the median of ``--repeats`` runs.
 
 ``--policy`` picks the scheduling policy (a tree that does not know it runs
 fcfs, and the table says so); ``--tenants K`` spreads the requests round
-robin over K tenants with weights 1..K (trees without tenants ignore it).
+robin over K tenants with weights 1..K, or all 1 with ``--equal-weights``
+(trees without tenants ignore it). With weights 1..K the fair policy admits
+the requests in another order than they were made, and a step that visits
+them in that order misses the CPU caches more often at large N: equal
+weights keep the order and leave the policy's own cost.
 
 ``--compare TREE`` measures another checkout (e.g. a git worktree of an older
 commit) against this one in one invocation. Each round is one fresh subprocess
@@ -61,6 +65,7 @@ CLOCK = time.thread_time_ns
 FREEZE_GC = False
 POLICY = "fcfs"
 TENANTS = 1
+EQUAL_WEIGHTS = False
 
 
 @dataclass(frozen=True)
@@ -83,10 +88,11 @@ class Tree:
     def request(
         self, index: int, req_id: str, prompt: list[int], params: Any, **kwargs: Any
     ) -> Any:
-        """Request number ``index``; with tenants, of tenant ``index % TENANTS`` (weight k+1)."""
+        """Request number ``index``; with tenants, of tenant k = ``index % TENANTS``
+        (weight k+1, or 1 with EQUAL_WEIGHTS)."""
         if self.has_tenants and TENANTS > 1:
             k = index % TENANTS
-            kwargs.update(tenant=f"t{k}", tenant_weight=float(k + 1))
+            kwargs.update(tenant=f"t{k}", tenant_weight=1.0 if EQUAL_WEIGHTS else float(k + 1))
         return self.Request(req_id, prompt, params, **kwargs)
 
 
@@ -332,6 +338,7 @@ def compare(base: Path, args: argparse.Namespace) -> None:
     flags = ["--steps", str(args.steps), "--mixed-steps", str(args.mixed_steps)]
     flags += ["--wall"] * args.wall + ["--freeze-gc"] * args.freeze_gc
     flags += ["--policy", args.policy, "--tenants", str(args.tenants)]
+    flags += ["--equal-weights"] * args.equal_weights
     rounds: dict[str, list[dict[str, dict[str, float]]]] = {w: [] for w in workloads}
     for rep in range(args.repeats):
         for workload in workloads:
@@ -356,7 +363,7 @@ def compare(base: Path, args: argparse.Namespace) -> None:
     print(
         f"base = {base.resolve()} ({_tree_label(base)}, policy {policies[base]}), "
         f"current = {HERE} ({_tree_label(HERE)}, policy {policies[HERE]}); "
-        f"{args.tenants} tenant(s)"
+        f"{args.tenants} tenant(s)" + (" of equal weight" if args.equal_weights else "")
     )
     print(
         f"clock: {clock} time; {args.repeats} rounds, each a subprocess timing both trees side "
@@ -405,15 +412,18 @@ def main() -> None:
     parser.add_argument(
         "--tenants", type=int, default=1, help="spread requests over this many tenants"
     )
+    parser.add_argument(
+        "--equal-weights", action="store_true", help="every tenant weight 1 (default: 1..K)"
+    )
     # Internal: one --compare round of one workload, printed as JSON.
     parser.add_argument("--pair", nargs=2, metavar=("TREE", "WORKLOAD"), help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global CLOCK, FREEZE_GC, POLICY, TENANTS
+    global CLOCK, FREEZE_GC, POLICY, TENANTS, EQUAL_WEIGHTS
     if args.wall:
         CLOCK = time.perf_counter_ns
     FREEZE_GC = args.freeze_gc
-    POLICY, TENANTS = args.policy, args.tenants
+    POLICY, TENANTS, EQUAL_WEIGHTS = args.policy, args.tenants, args.equal_weights
     if args.pair:
         base_path, workload = args.pair
         trees = [load_tree(Path(base_path)), load_tree(HERE)]
