@@ -33,7 +33,7 @@ tenants:
   - name: alice
     api_keys: [{KEYS["alice"]}]
     weight: 2
-    tokens_per_minute: 40
+    tokens_per_minute: 150
   - name: bob
     api_keys: [{KEYS["bob"]}]
     max_concurrent_requests: 1
@@ -235,13 +235,16 @@ def test_over_the_waiting_limit(server: RemoteServer) -> None:
 
 
 def test_over_the_tokens_per_minute(server: RemoteServer) -> None:
-    # 40 tokens a minute: this request alone (prompt and 60 outputs) overdraws it.
-    assert complete(server, KEYS["alice"], max_tokens=60).usage is not None
+    # 150 tokens a minute: this request alone (a 230-token prompt, computed in one
+    # step, and one output) overdraws it by about 80, whatever the machine's speed.
+    prompt = [1000 + i for i in range(230)]
+    assert complete(server, KEYS["alice"], prompt=prompt, max_tokens=1).usage is not None
     started = time.monotonic()
     retry_after = _rate_limited(server, KEYS["alice"], "tokens per minute")
     assert time.monotonic() - started < 10  # refused at once, not queued
-    # The overdraft (at most the 60 outputs and the prompt) refills at 40 a minute.
-    assert retry_after <= 100, retry_after
+    # The overdraft (at most the 231 tokens less the 150 of a full bucket) refills
+    # at 2.5 tokens a second.
+    assert retry_after <= 40, retry_after
     # Retry-After is honest: after it, alice is served again.
     time.sleep(retry_after)
     assert complete(server, KEYS["alice"], max_tokens=1).usage is not None
