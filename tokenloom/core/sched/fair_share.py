@@ -223,13 +223,13 @@ class FairShare:
                 victim = other
         if victim is None:
             return None
-        best, best_start = None, -math.inf
+        # A tenant's virtual starts never fall in admission order (``running``'s
+        # order), so its last request there has the latest start.
+        name = victim.name
         for i in range(candidates - 1, -1, -1):
-            if running[i].tenant == victim.name:
-                start = self.starts[running[i].request_id]
-                if start > best_start:
-                    best, best_start = i, start
-        return best
+            if running[i].tenant == name:
+                return i
+        return None
 
     def check_integrity(self, running: list[Request]) -> None:
         """The books agree with themselves and with ``running`` (for tests)."""
@@ -238,6 +238,11 @@ class FairShare:
             counts[request.tenant] = counts.get(request.tenant, 0) + 1
         assert counts == {n: s.num_running for n, s in self.active.items() if s.num_running}
         assert self.starts.keys() == {request.request_id for request in running}
+        latest: dict[str, float] = {}
+        for request in running:  # starts never fall in admission order (reclaim_victim)
+            start = self.starts[request.request_id]
+            assert start >= latest.get(request.tenant, -math.inf), (request, start, latest)
+            latest[request.tenant] = start
         for name, share in self.active.items():
             assert self.tenants[name] is share and share.num_requests > 0
         for name, share in self.queued.items():
