@@ -166,9 +166,18 @@ def _rate_limited(server: RemoteServer, key: str, what: str) -> int:
     return retry_after
 
 
-def _first_chunk(stream: Any) -> None:
+def _running_stream(c: openai.OpenAI) -> Any:
+    """A long streamed completion, returned once its first chunk came (it is running)."""
+    stream = c.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=200,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     for _ in stream:
-        return
+        break
+    return stream
 
 
 def _send_until_waiting(
@@ -190,14 +199,7 @@ def _send_until_waiting(
 
 def test_over_the_concurrency_limit(server: RemoteServer) -> None:
     with client(server, KEYS["bob"]) as c:
-        stream = c.completions.create(
-            model=MODEL,
-            prompt="Once upon a time",
-            max_tokens=200,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        _first_chunk(stream)  # bob's one request is running
+        stream = _running_stream(c)  # bob's one request
         _rate_limited(server, KEYS["bob"], "concurrent requests")
         # Other tenants are not held back by bob's limit: carol's request is
         # accepted (it waits for the one sequence slot until bob's stream closes).
@@ -220,14 +222,7 @@ def test_over_the_concurrency_limit(server: RemoteServer) -> None:
 def test_over_the_waiting_limit(server: RemoteServer) -> None:
     results: dict[str, Any] = {}
     with client(server, ADMIN) as c:
-        stream = c.completions.create(
-            model=MODEL,
-            prompt="Once upon a time",
-            max_tokens=200,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        _first_chunk(stream)  # the default tenant holds the only sequence slot
+        stream = _running_stream(c)  # the default tenant holds the only sequence slot
         queued = _send_until_waiting(server, "carol", results)
         _rate_limited(server, KEYS["carol"], "waiting requests")
         stream.close()
