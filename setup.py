@@ -105,5 +105,6 @@ setup(
         "xgrammar>=0.2.8",
         # Tool calls are validated against their function's schema before a client sees them.
         "jsonschema>=4.20",
+        "pyyaml>=6.0",  # --tenants files in YAML
     ],
 )

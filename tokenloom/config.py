@@ -196,10 +196,23 @@ class SchedulerConfig:
         help="cap each prefill chunk at this many tokens, so that long prompts do not starve "
         "the decodes sharing the step (0: no cap)",
     )
-    policy: Literal["fcfs", "priority"] = option(
+    policy: Literal["fcfs", "priority", "fair"] = option(
         "fcfs",
-        help="order of the waiting queue: arrival (fcfs), or lower priority values first "
-        "(priority)",
+        help="order of the waiting queue: arrival (fcfs), lower priority values first "
+        "(priority), or tenants served in proportion to their weights (fair: weighted fair "
+        "queueing on tokens served)",
+    )
+    priority_aging_s: float = option(
+        0.0,
+        ge=0,
+        help="priority policy: a waiting request's priority improves by one level per this "
+        "many seconds since its arrival, so none waits forever (0: no aging)",
+    )
+    fair_burst_tokens: int = option(
+        8192,
+        ge=0,
+        help="fair policy: a tenant that was idle may be served up to this many tokens "
+        "(times its weight) ahead of its share before the busy tenants go first again",
     )
     # It lives here because it shapes each step: the scheduler schedules drafts
     # with their request, the runner verifies them.

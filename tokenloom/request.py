@@ -108,12 +108,12 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "status", "num_computed_tokens", "spec_token_ids", "all_token_ids",
+        "request_id", "status", "num_computed_tokens", "spec_token_ids", "all_token_ids", "tenant",
         "output_token_ids", "stopping_token_ids", "_open_below", "_open_for", "client_index",
         "num_cached_tokens", "sampling_params", "eos_token_id", "arrival_time", "priority",
         "stop_reason", "prompt_token_ids", "num_prompt_tokens", "num_preemptions", "max_tokens",
         "min_tokens", "block_hashes", "lora_request", "lora_int_id", "structured_output_request",
-        "mm_features", "mm_end",
+        "mm_features", "mm_end", "tenant_weight",
     )  # fmt: skip
 
     def __init__(
@@ -128,13 +128,19 @@ class Request:
         lora_request: LoRARequest | None = None,
         prior_output_token_ids: list[int] | None = None,
         mm_features: list[MultiModalFeatureSpec] | None = None,
+        tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> None:
         """``prior_output_token_ids``: output a crashed engine core already produced
         (a resumed request); they count as output for every limit and penalty.
         ``mm_features``: the prompt's images, in prompt order (see
-        ``tokenloom.multimodal.inputs``)."""
+        ``tokenloom.multimodal.inputs``). ``tenant`` names who sent it ("": the
+        default tenant) and ``tenant_weight`` that tenant's share of the engine
+        under the fair policy."""
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
+        if not tenant_weight > 0 or tenant_weight == float("inf"):
+            raise ValueError(f"tenant_weight must be a finite number > 0, got {tenant_weight!r}")
         max_tokens = sampling_params.max_tokens
         prompt_token_ids = list(prompt_token_ids)
 
@@ -146,6 +152,8 @@ class Request:
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
+        # Read by the fair policy for every scheduled request: it sits with the hot ones.
+        self.tenant = tenant
         self.output_token_ids: list[int] = []
         if prior_output_token_ids:
             self.output_token_ids.extend(prior_output_token_ids)
@@ -186,6 +194,7 @@ class Request:
         if mm_features:
             self.mm_features = check_features(mm_features, len(prompt_token_ids))
             self.mm_end = self.mm_features[-1].mm_position.end
+        self.tenant_weight = tenant_weight
 
     def set_structured_output_request(self, structured: StructuredOutputRequest) -> None:
         """Constrain this request: every sampled token must then advance the grammar."""

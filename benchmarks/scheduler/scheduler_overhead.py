@@ -8,6 +8,14 @@ so prefills, chunking, decodes and finishes share steps.
 The fake runner's work (building ModelRunnerOutput) is outside the timed
 region. Reports the median of ``--repeats`` runs.
 
+``--policy`` picks the scheduling policy (a tree that does not know it runs
+fcfs, and the table says so); ``--tenants K`` spreads the requests round
+robin over K tenants with weights 1..K, or all 1 with ``--equal-weights``
+(trees without tenants ignore it). With weights 1..K the fair policy admits
+the requests in another order than they were made, and a step that visits
+them in that order misses the CPU caches more often at large N: equal
+weights keep the order and leave the policy's own cost.
+
 ``--compare TREE`` measures another checkout (e.g. a git worktree of an older
 commit) against this one in one invocation. Each round is one fresh subprocess
 per workload that imports tokenloom from both trees (as two private copies),
@@ -23,6 +31,7 @@ rounds' current / TREE ratios.
     .venv/bin/python benchmarks/scheduler/scheduler_overhead.py
     .venv/bin/python benchmarks/scheduler/scheduler_overhead.py --profile 1024
     .venv/bin/python benchmarks/scheduler/scheduler_overhead.py --compare /work/base --repeats 3 --freeze-gc
+    .venv/bin/python benchmarks/scheduler/scheduler_overhead.py --compare /work/base --policy fair --tenants 4
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import argparse
 import cProfile
 import gc
 import importlib
+import inspect
 import json
 import pstats
 import random
@@ -53,6 +63,9 @@ MIXED_WINDOW = 50
 # (wall time inflates with other processes' load); --wall switches to wall time.
 CLOCK = time.thread_time_ns
 FREEZE_GC = False
+POLICY = "fcfs"
+TENANTS = 1
+EQUAL_WEIGHTS = False
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,21 @@ class Tree:
     SchedulerConfig: Any
     CacheConfig: Any
     ModelRunnerOutput: Any
+    policy: str  # the policy it runs: POLICY, or fcfs where it does not know POLICY
+    has_tenants: bool
+
+    def config(self, **kwargs: Any) -> Any:
+        return self.SchedulerConfig(policy=self.policy, **kwargs)
+
+    def request(
+        self, index: int, req_id: str, prompt: list[int], params: Any, **kwargs: Any
+    ) -> Any:
+        """Request number ``index``; with tenants, of tenant k = ``index % TENANTS``
+        (weight k+1, or 1 with EQUAL_WEIGHTS)."""
+        if self.has_tenants and TENANTS > 1:
+            k = index % TENANTS
+            kwargs.update(tenant=f"t{k}", tenant_weight=1.0 if EQUAL_WEIGHTS else float(k + 1))
+        return self.Request(req_id, prompt, params, **kwargs)
 
 
 def load_tree(path: Path) -> Tree:
@@ -86,14 +114,22 @@ def load_tree(path: Path) -> Tree:
         if not Path(str(package.__file__)).resolve().is_relative_to(path):
             raise RuntimeError(f"tokenloom came from {package.__file__}, not {path}")
         config = importlib.import_module("tokenloom.config")
+        request_class = importlib.import_module("tokenloom.request").Request
+        try:
+            config.SchedulerConfig(policy=POLICY)
+            policy = POLICY
+        except ValueError:
+            policy = "fcfs"
         tree = Tree(
             path=path,
             Scheduler=importlib.import_module("tokenloom.core.sched.scheduler").Scheduler,
-            Request=importlib.import_module("tokenloom.request").Request,
+            Request=request_class,
             SamplingParams=importlib.import_module("tokenloom.sampling_params").SamplingParams,
             SchedulerConfig=config.SchedulerConfig,
             CacheConfig=config.CacheConfig,
             ModelRunnerOutput=importlib.import_module("tokenloom.outputs").ModelRunnerOutput,
+            policy=policy,
+            has_tenants="tenant" in inspect.signature(request_class).parameters,
         )
     finally:
         sys.path.remove(str(path))
@@ -135,14 +171,14 @@ def steady_decode(tree: Tree, n: int, steps: int, seed: int = 0) -> Any:
     warmup_steps = n * PROMPT_LEN // budget + 8
     blocks_per_req = -(-(PROMPT_LEN + warmup_steps + steps + 16) // BLOCK_SIZE)
     scheduler = tree.Scheduler(
-        tree.SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=budget),
+        tree.config(max_num_seqs=n, max_num_batched_tokens=budget),
         tree.CacheConfig(block_size=BLOCK_SIZE, num_blocks=n * blocks_per_req + 16),
         max_model_len=PROMPT_LEN + warmup_steps + steps + 1024,
     )
     params = tree.SamplingParams(max_tokens=None, ignore_eos=True)
     for i in range(n):
         prompt = [rng.randrange(32000) for _ in range(PROMPT_LEN)]
-        scheduler.add_request(tree.Request(f"req-{i}", prompt, params, eos_token_id=2))
+        scheduler.add_request(tree.request(i, f"req-{i}", prompt, params, eos_token_id=2))
     while any(not r.output_token_ids for r in scheduler.running) or len(scheduler.waiting):
         so = scheduler.schedule()
         scheduler.update_from_output(so, fake_run(tree, so, scheduler))
@@ -154,7 +190,7 @@ def steady_decode(tree: Tree, n: int, steps: int, seed: int = 0) -> Any:
 
 def mixed_scheduler(tree: Tree) -> Any:
     return tree.Scheduler(
-        tree.SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048),
+        tree.config(max_num_seqs=256, max_num_batched_tokens=2048),
         tree.CacheConfig(block_size=BLOCK_SIZE, num_blocks=8192),
         max_model_len=4096,
     )
@@ -195,7 +231,9 @@ class _Run:
             tree = self.tree
             for prompt, max_tokens in next(self.arrivals):
                 params = tree.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-                self.scheduler.add_request(tree.Request(f"m-{self.next_id}", prompt, params))
+                self.scheduler.add_request(
+                    tree.request(self.next_id, f"m-{self.next_id}", prompt, params)
+                )
                 self.next_id += 1
         s, u, k = _timed_step(self.tree, self.scheduler)
         self.steps += 1
@@ -299,6 +337,8 @@ def compare(base: Path, args: argparse.Namespace) -> None:
     workloads = [str(n) for n in args.sizes] + (["mixed"] if args.mixed_steps else [])
     flags = ["--steps", str(args.steps), "--mixed-steps", str(args.mixed_steps)]
     flags += ["--wall"] * args.wall + ["--freeze-gc"] * args.freeze_gc
+    flags += ["--policy", args.policy, "--tenants", str(args.tenants)]
+    flags += ["--equal-weights"] * args.equal_weights
     rounds: dict[str, list[dict[str, dict[str, float]]]] = {w: [] for w in workloads}
     for rep in range(args.repeats):
         for workload in workloads:
@@ -319,7 +359,12 @@ def compare(base: Path, args: argparse.Namespace) -> None:
             )
 
     clock = "wall" if args.wall else "thread CPU"
-    print(f"base = {base.resolve()} ({_tree_label(base)}), current = {HERE} ({_tree_label(HERE)})")
+    policies = {path: load_tree(path).policy for path in (base, HERE)}
+    print(
+        f"base = {base.resolve()} ({_tree_label(base)}, policy {policies[base]}), "
+        f"current = {HERE} ({_tree_label(HERE)}, policy {policies[HERE]}); "
+        f"{args.tenants} tenant(s)" + (" of equal weight" if args.equal_weights else "")
+    )
     print(
         f"clock: {clock} time; {args.repeats} rounds, each a subprocess timing both trees side "
         f"by side; steady decode {args.steps} steps, mixed {args.mixed_steps} steps"
@@ -361,14 +406,24 @@ def main() -> None:
     parser.add_argument(
         "--compare", type=Path, metavar="TREE", help="measure TREE against this checkout"
     )
+    parser.add_argument(
+        "--policy", default="fcfs", help="scheduling policy (a tree without it runs fcfs)"
+    )
+    parser.add_argument(
+        "--tenants", type=int, default=1, help="spread requests over this many tenants"
+    )
+    parser.add_argument(
+        "--equal-weights", action="store_true", help="every tenant weight 1 (default: 1..K)"
+    )
     # Internal: one --compare round of one workload, printed as JSON.
     parser.add_argument("--pair", nargs=2, metavar=("TREE", "WORKLOAD"), help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global CLOCK, FREEZE_GC
+    global CLOCK, FREEZE_GC, POLICY, TENANTS, EQUAL_WEIGHTS
     if args.wall:
         CLOCK = time.perf_counter_ns
     FREEZE_GC = args.freeze_gc
+    POLICY, TENANTS, EQUAL_WEIGHTS = args.policy, args.tenants, args.equal_weights
     if args.pair:
         base_path, workload = args.pair
         trees = [load_tree(Path(base_path)), load_tree(HERE)]
@@ -384,7 +439,10 @@ def main() -> None:
         profile(tree, args.profile, args.steps)
         return
     clock = "wall" if args.wall else "thread CPU"
-    print(f"steady decode, block {BLOCK_SIZE}, {PROMPT_LEN}-token prompts, prefix caching on")
+    print(
+        f"steady decode, block {BLOCK_SIZE}, {PROMPT_LEN}-token prompts, prefix caching on; "
+        f"policy {tree.policy}, {TENANTS} tenant(s)"
+    )
     print(
         f"clock: {clock} time; median of {args.repeats} runs of {args.steps} steps"
         + ("; gc frozen after warm-up" if args.freeze_gc else "")

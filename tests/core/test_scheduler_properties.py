@@ -2,7 +2,8 @@
 
 Random prompt lengths with shared prefixes, arrivals over time, random aborts,
 random EOS, draft tokens with random acceptance, small caches that force
-preemption, both policies, chunking on and off. Each step is cross-checked by
+preemption, every policy (with priority aging, and tenants of several
+weights for the fair one), chunking on and off. Each step is cross-checked by
 the Harness (budget, max_num_seqs, only RUNNING requests scheduled, the fake
 runner's block tables and computed counts equal the scheduler's); at the end
 every request got exactly the tokens the runner produced for it, and nothing
@@ -29,7 +30,9 @@ def workloads(draw: st.DrawFn) -> dict:
     chunked = draw(st.booleans())
     max_prompt = draw(st.integers(4, 48))
     config = {
-        "policy": draw(st.sampled_from(["fcfs", "priority"])),
+        "policy": draw(st.sampled_from(["fcfs", "priority", "fair"])),
+        "priority_aging_s": draw(st.sampled_from([0.0, 0.0, 0.5, 4.0])),
+        "fair_burst_tokens": draw(st.sampled_from([0, 16, 8192])),
         "enable_chunked_prefill": chunked,
         "block_size": block_size,
         # From "barely one request" to "plenty".
@@ -52,16 +55,23 @@ def workloads(draw: st.DrawFn) -> dict:
                 st.integers(0, 30),  # arrival step
                 st.booleans(),  # uses EOS
                 st.integers(0, 3),  # min_tokens
+                st.integers(0, 2),  # tenant
             ),
             min_size=1,
             max_size=24,
         )
     )
-    return {"config": config, "requests": requests, "seed": draw(st.integers(0, 2**16))}
+    weights = draw(st.lists(st.sampled_from([0.5, 1.0, 3.0]), min_size=3, max_size=3))
+    return {
+        "config": config,
+        "requests": requests,
+        "weights": weights,
+        "seed": draw(st.integers(0, 2**16)),
+    }
 
 
-def _build(spec: tuple, index: int) -> Request:
-    prefix_id, length, max_tokens, priority, _arrival, eos, min_tokens = spec
+def _build(spec: tuple, index: int, weights: list[float]) -> Request:
+    prefix_id, length, max_tokens, priority, _arrival, eos, min_tokens, tenant = spec
     prefix = [1000 * (prefix_id + 1) + i for i in range(length)]
     tail_start = length // 2 if prefix_id else length  # half of the prompt is shared
     prompt = prefix[:tail_start] + [50_000 + 100 * index + i for i in range(length - tail_start)]
@@ -73,6 +83,8 @@ def _build(spec: tuple, index: int) -> Request:
         arrival_time=float(index),
         eos_token_id=EOS if eos else None,
         min_tokens=min(min_tokens, max_tokens),
+        tenant=f"t{tenant}",
+        tenant_weight=weights[tenant],
     )
 
 
@@ -91,7 +103,10 @@ def test_random_workloads_keep_every_invariant(workload: dict) -> None:
     scheduler = make_scheduler(**workload["config"])
     h = Harness(scheduler, runner)
     pending = sorted(
-        ((spec[4], i, _build(spec, i)) for i, spec in enumerate(workload["requests"])),
+        (
+            (spec[4], i, _build(spec, i, workload["weights"]))
+            for i, spec in enumerate(workload["requests"])
+        ),
         key=lambda item: (item[0], item[1]),
     )
     requests = {request.request_id: request for _, _, request in pending}

@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tokenloom.config import CacheConfig, LoRAConfig, SchedulerConfig
+from tokenloom.core.sched.fair_share import FairShare
 from tokenloom.core.sched.output import SchedulerOutput
+from tokenloom.core.sched.request_queue import FairRequestQueue
 from tokenloom.core.sched.scheduler import Scheduler
 from tokenloom.lora_request import LoRARequest
 from tokenloom.multimodal.inputs import MultiModalFeatureSpec
@@ -167,6 +169,8 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     long_prefill_token_threshold: int = 0,
     policy: str = "fcfs",
+    priority_aging_s: float = 0.0,
+    fair_burst_tokens: int = 8192,
     block_size: int = 4,
     num_blocks: int = 1000,
     enable_prefix_caching: bool = True,
@@ -190,6 +194,8 @@ def make_scheduler(
             max_num_encoder_input_tokens=max_num_encoder_input_tokens,
             encoder_cache_size=encoder_cache_size,
             enable_encoder_cache=enable_encoder_cache,
+            priority_aging_s=priority_aging_s,
+            fair_burst_tokens=fair_burst_tokens,
         ),
         CacheConfig(
             block_size=block_size,
@@ -219,6 +225,8 @@ def make_request(
     client_index: int = 0,
     lora_request: LoRARequest | None = None,
     mm_features: list[MultiModalFeatureSpec] | None = None,
+    tenant: str = "",
+    tenant_weight: float = 1.0,
     **params: object,
 ) -> Request:
     """A request with ``prompt`` tokens (a count gives distinct-per-id tokens)."""
@@ -238,6 +246,8 @@ def make_request(
         client_index=client_index,
         lora_request=lora_request,
         mm_features=mm_features,
+        tenant=tenant,
+        tenant_weight=tenant_weight,
     )
 
 
@@ -294,9 +304,18 @@ class Harness:
         return [t for out in self.outputs.get(req_id, []) for t in out.new_token_ids]
 
 
+def fair_share_of(scheduler: Scheduler) -> FairShare | None:
+    """The fair policy's accountant (None under the other policies)."""
+    waiting = scheduler.waiting
+    return waiting.fair if isinstance(waiting, FairRequestQueue) else None
+
+
 def check_output(scheduler: Scheduler, so: SchedulerOutput) -> None:
     """Invariants every SchedulerOutput must hold."""
     config = scheduler.scheduler_config
+    fair = fair_share_of(scheduler)
+    if fair is not None:
+        fair.check_integrity(scheduler.running)
     assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
     assert so.total_num_scheduled_tokens <= config.max_num_batched_tokens
     assert len(so.num_scheduled_tokens) <= config.max_num_seqs
@@ -327,6 +346,10 @@ def assert_no_leaks(scheduler: Scheduler) -> None:
     assert len(scheduler.waiting) == 0 and list(scheduler.waiting) == []
     assert scheduler.running == []
     assert not scheduler.has_unfinished_requests()
+    fair = fair_share_of(scheduler)
+    if fair is not None:
+        fair.check_integrity([])
+        assert not fair.active and not fair.queued
     manager = scheduler.kv_cache_manager
     manager.check_integrity()
     num_blocks = scheduler.cache_config.num_blocks

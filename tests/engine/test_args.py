@@ -92,7 +92,7 @@ def test_messages_say_what_is_allowed() -> None:
         EngineArgs(kv_cache_memory_fraction=2)
     with pytest.raises(ValueError, match=r"^num_blocks must be an integer >= 1 or None, got 0$"):
         EngineArgs(num_blocks=0)
-    with pytest.raises(ValueError, match=r"^policy must be one of \{fcfs, priority\}, got 'lifo'"):
+    with pytest.raises(ValueError, match=r"^policy must be one of \{fcfs, priority, fair\}, got 'lifo'"):
         EngineArgs(policy="lifo")
     # Built directly, a config names its own field.
     with pytest.raises(ValueError, match=r"^memory_fraction must be a number in \(0, 1\]"):

@@ -52,6 +52,24 @@ def test_max_model_len_fits_the_cache() -> None:
     assert big.max_model_len == 128  # the runner's own limit
 
 
+def test_the_tenant_reaches_the_schedulers_request() -> None:
+    runner = FakeModelRunner(64, 128)
+    core = EngineCore(
+        runner, CacheConfig(block_size=4, num_blocks=64), SchedulerConfig(policy="fair")
+    )
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    core.add_request(
+        EngineCoreRequest(
+            "t", [1, 2, 3], params, EOS, arrival_time=1.0, tenant="team-a", tenant_weight=4.0
+        )
+    )
+    request = core.scheduler.requests["t"]
+    assert (request.tenant, request.tenant_weight) == ("team-a", 4.0)
+    while core.step() is not None:
+        pass
+    assert not core.scheduler.has_requests()
+
+
 def test_the_given_runner_runs_every_step() -> None:
     core, runner = make_core()
     core.add_request(request("a", max_tokens=2))

@@ -37,6 +37,18 @@ def test_invalid_prompts(
         inputs.process("r", prompt, params)
 
 
+def test_tenant_reaches_every_child_and_bad_weights_are_refused(inputs: InputProcessor) -> None:
+    _, reqs = inputs.process("x", "hi", SamplingParams(n=2), tenant="team-a", tenant_weight=3)
+    assert [(r.tenant, r.tenant_weight) for r in reqs] == [("team-a", 3.0), ("team-a", 3.0)]
+    _, (req,) = inputs.process("y", "hi", SamplingParams())
+    assert (req.tenant, req.tenant_weight) == ("", 1.0)
+    for weight in (0, -1.0, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(ValueError, match="tenant_weight"):
+            inputs.process("z", "hi", SamplingParams(), tenant_weight=weight)
+    with pytest.raises(ValueError, match="tenant must be a string"):
+        inputs.process("z", "hi", SamplingParams(), tenant=3)  # type: ignore[arg-type]
+
+
 def test_fits_exactly_and_unbounded_max_tokens(inputs: InputProcessor) -> None:
     inputs.process("a", [1] * 20, SamplingParams(max_tokens=12))
     inputs.process("b", [1] * 31, SamplingParams(max_tokens=None))

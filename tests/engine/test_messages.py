@@ -26,7 +26,14 @@ from tokenloom.sampling_params import SamplingParams
 def test_input_messages_round_trip() -> None:
     params = SamplingParams(max_tokens=7, temperature=0.5, stop="x", stop_token_ids=[3], seed=11)
     request = EngineCoreRequest(
-        "r1", [1, 2, 3], params, eos_token_id=2, arrival_time=12.5, priority=-1
+        "r1",
+        [1, 2, 3],
+        params,
+        eos_token_id=2,
+        arrival_time=12.5,
+        priority=-1,
+        tenant="team-a",
+        tenant_weight=2.5,
     )
     for message in (request, AbortRequests(["a", "b"]), Shutdown()):
         decoded = input_decoder.decode(encode(message))
@@ -35,6 +42,7 @@ def test_input_messages_round_trip() -> None:
     decoded = input_decoder.decode(encode(request))
     assert isinstance(decoded.sampling_params, SamplingParams)
     assert decoded.sampling_params.stop == ["x"]
+    assert (decoded.tenant, decoded.tenant_weight) == ("team-a", 2.5)
 
 
 def test_output_messages_round_trip() -> None:

@@ -76,10 +76,13 @@ class FakeAsyncLLM:
         self.chat_options: list[ChatOptions] = []
         self.loras: list[LoRARequest | None] = []  # per started request
         self.trace_headers: list[dict[str, str] | None] = []  # per generate() call
+        self.tenants: list[tuple[str, float]] = []  # per started request
         self.added_loras: list[LoRARequest] = []
         self.removed_loras: list[int] = []
         self._jinja = ImmutableSandboxedEnvironment()
         self.reply: str | None = None
+        # While set and not yet fired, requests wait (queued) before their first output.
+        self.hold: asyncio.Event | None = None
 
     @property
     def dead_error(self) -> EngineDeadError:
@@ -158,6 +161,8 @@ class FakeAsyncLLM:
         delta: bool = False,
         lora_request: LoRARequest | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
         if self.errored:
             raise EngineDeadError()
@@ -166,6 +171,7 @@ class FakeAsyncLLM:
         self._validate(ids, sampling_params)
         self.started.append(request_id)
         self.loras.append(lora_request)
+        self.tenants.append((tenant, tenant_weight))
         self.prompts.append(ids)
         self.params.append(sampling_params)
         self.num_running_requests += 1
@@ -179,6 +185,8 @@ class FakeAsyncLLM:
         tokens: list[list[int]] = [[] for _ in range(sampling_params.n)]
         history: list[list[dict[int, float]]] = [[] for _ in range(sampling_params.n)]
         try:
+            if self.hold is not None:
+                await self.hold.wait()
             for step in range(max_tokens):
                 if self.step_delay:
                     await asyncio.sleep(self.step_delay)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -27,12 +28,26 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    """``python -m tokenloom.entrypoints.cli serve`` on a free port, ready when /health is 200."""
+    """``python -m tokenloom.entrypoints.cli serve`` on a free port, ready when /health is 200.
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        """``env``: variables to set for the server beside the test's own."""
+    With ``ca_file`` the server speaks TLS (its ``--ssl-*`` flags are in ``args``)
+    and clients trust that CA (``verify``). ``env``: variables to set for the
+    server beside the test's own.
+    """
+
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        *,
+        ca_file: Path | None = None,
+    ) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if ca_file else 'http'}://127.0.0.1:{self.port}"
+        self.verify: ssl.SSLContext | bool = (
+            ssl.create_default_context(cafile=str(ca_file)) if ca_file else True
+        )
         self.log_path = log_path
         path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="2", **(env or {}))
@@ -54,16 +69,26 @@ class RemoteServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                response = httpx.get(self.url + "/health", timeout=2, verify=self.verify)
+                if response.status_code == 200:
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"server not ready in {STARTUP_TIMEOUT_S}s:\n{self.log_tail()}")
 
-    def openai_client(self, timeout: float) -> openai.OpenAI:
+    def openai_client(
+        self, timeout: float, api_key: str = "none", max_retries: int = 2
+    ) -> openai.OpenAI:
         """The official client, pointed at this server's /v1."""
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=timeout)
+        http_client = None if self.verify is True else httpx.Client(verify=self.verify)
+        return openai.OpenAI(
+            base_url=self.url + "/v1",
+            api_key=api_key,
+            timeout=timeout,
+            max_retries=max_retries,
+            http_client=http_client,
+        )
 
     def log_tail(self, chars: int = 4000) -> str:
         self._log.flush()
@@ -85,9 +110,9 @@ class RemoteServer:
         self._log.close()
 
 
-def metric_values(url: str) -> dict[str, float]:
+def metric_values(url: str, verify: ssl.SSLContext | bool = True) -> dict[str, float]:
     """Every sample of /metrics keyed ``name{label=value,...}`` (labels sorted, model_name left out)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", timeout=10, verify=verify).text
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

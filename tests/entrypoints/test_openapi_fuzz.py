@@ -16,7 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis import checks as st_checks
 
+from tokenloom.entrypoints.openai.auth import AccessConfig
 from tokenloom.entrypoints.openai.server import build_app
+from tokenloom.entrypoints.openai.tenants import TenantConfig
 
 from .fake_engine import FakeAsyncLLM
 
@@ -37,9 +39,10 @@ def _exercise(
     mode: GenerationMode,
     count: int,
     statuses: Counter[tuple[str, int]],
+    headers: dict[str, str] | None = None,
 ) -> None:
-    """Send ``count`` generated requests to ``operation``; each answer must match the
-    schema (CHECKS), and its status is counted in ``statuses``."""
+    """Send ``count`` generated requests to ``operation`` (with ``headers``); each answer
+    must match the schema (CHECKS), and its status is counted in ``statuses``."""
 
     @settings(
         max_examples=count,
@@ -50,7 +53,7 @@ def _exercise(
     )
     @given(case=operation.as_strategy(generation_mode=mode))
     def run(case: schemathesis.Case) -> None:
-        response = case.call()
+        response = case.call(headers=headers)
         statuses[(operation.label, response.status_code)] += 1
         case.validate_response(response, checks=CHECKS)
 
@@ -80,6 +83,32 @@ def test_generated_requests_get_declared_answers_and_no_5xx() -> None:
     # Every engine request that started was closed again (none leaked).
     assert engine.num_running_requests == 0
     assert sorted(engine.closed) == sorted(engine.started)
+
+
+@pytest.mark.timeout(180)
+def test_with_api_keys_and_tenant_limits_every_answer_is_declared() -> None:
+    """The same checks on an app that requires a key and has a rate-limited tenant:
+    with the tenant's key (generation and its 429s), with the admin key, and without."""
+    engine = FakeAsyncLLM()
+    tenant = TenantConfig(name="t", api_keys=["sk-t"], weight=2.0, tokens_per_minute=400)
+    access = AccessConfig(api_key="sk-admin", tenants=(tenant,))
+    schema = schemathesis.openapi.from_asgi("/openapi.json", build_app(engine, access=access))
+    statuses: Counter[tuple[str, int]] = Counter()
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        for key in ("sk-t", "sk-admin", None):
+            headers = {"Authorization": f"Bearer {key}"} if key else None
+            count = 1 if operation.method.upper() == "GET" else 40 if key else 10
+            _exercise(operation, GenerationMode.POSITIVE, count, statuses, headers)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert statuses[(f"POST {path}", 200)] > 10, statuses
+        assert statuses[(f"POST {path}", 401)] >= 10, statuses
+    # The tenant's 400 tokens a minute run out; the admin (default tenant) has no limit.
+    assert sum(n for (_, status), n in statuses.items() if status == 429) > 0, statuses
+    assert statuses[("GET /health", 200)] == 3
+    assert not any(status >= 500 for _, status in statuses)
+    assert engine.num_running_requests == 0
+    assert {tenant for tenant, _ in engine.tenants} == {"t", "default"}
 
 
 @pytest.mark.timeout(120)

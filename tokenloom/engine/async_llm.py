@@ -224,8 +224,12 @@ class AsyncLLM(EngineClient):
         delta: bool = False,
         lora_request: LoRARequest | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream outputs of one request; the last has ``finished=True``.
+
+        ``tenant`` and ``tenant_weight``: who sent it, for the fair policy.
 
         The prompt is tokenized and validated in the input thread pool. Raises
         ``ValueError`` (naming the field) for an invalid request, before
@@ -243,6 +247,8 @@ class AsyncLLM(EngineClient):
             sampling_params,
             priority=priority,
             lora_request=lora_request,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
         )
         text, requests = await loop.run_in_executor(self._input_executor, process)
         if self.errored or self._closed:  # it died while we tokenized

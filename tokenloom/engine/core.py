@@ -209,6 +209,8 @@ class EngineCore:
             lora_request=request.lora_request,
             prior_output_token_ids=request.prior_output_token_ids,
             mm_features=request.mm_features,
+            tenant=request.tenant,
+            tenant_weight=request.tenant_weight,
         )
         self.scheduler.add_request(core_request)
         if self._recorder is not None:

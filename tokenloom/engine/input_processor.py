@@ -134,10 +134,13 @@ class InputProcessor:
         arrival_time: float | None = None,
         prompt_text: str | None = None,
         lora_request: LoRARequest | None = None,
+        tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> tuple[str | None, list[EngineCoreRequest]]:
         """Validate one prompt; return its text and one core request per completion (``n``).
 
         ``prompt_text`` names the text of a prompt given as token ids (a rendered chat).
+        ``tenant`` and ``tenant_weight`` name who sent it (for the fair policy).
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(
@@ -145,6 +148,14 @@ class InputProcessor:
             )
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if not isinstance(tenant, str):
+            raise ValueError(f"tenant must be a string, got {tenant!r}")
+        if (
+            isinstance(tenant_weight, bool)
+            or not isinstance(tenant_weight, (int, float))
+            or not 0 < tenant_weight < float("inf")
+        ):
+            raise ValueError(f"tenant_weight must be a finite number > 0, got {tenant_weight!r}")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise ValueError(
                 f"logprobs ({params.logprobs}) exceeds the engine's limit of {self.max_logprobs} "
@@ -188,6 +199,8 @@ class InputProcessor:
                 priority=priority,
                 lora_request=lora_request,
                 mm_features=mm_features,
+                tenant=tenant,
+                tenant_weight=float(tenant_weight),
             )
             for child_id, child_params in children
         ]

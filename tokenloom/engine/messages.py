@@ -22,7 +22,8 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     ``prior_output_token_ids``: tokens an earlier engine core already produced
     for it (crash recovery, ``tokenloom.engine.recovery``); the core recomputes
     them like a preemption and continues after them. ``mm_features``: the
-    prompt's images, processed (``tokenloom.multimodal.inputs``).
+    prompt's images, processed (``tokenloom.multimodal.inputs``). ``tenant`` and
+    ``tenant_weight``: who sent it and that tenant's share under the fair policy.
     """
 
     request_id: str
@@ -34,6 +35,8 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     lora_request: LoRARequest | None = None
     prior_output_token_ids: list[int] = []
     mm_features: list[MultiModalFeatureSpec] | None = None
+    tenant: str = ""
+    tenant_weight: float = 1.0
 
 
 class AbortRequests(msgspec.Struct, tag=True):

@@ -126,11 +126,15 @@ class EngineClient(Protocol):
         delta: bool = False,
         lora_request: LoRARequest | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; the last has ``finished=True``.
 
         ``trace_headers``: the HTTP request's W3C trace context (``traceparent``,
         ``tracestate``), continued by the request's span when tracing is on.
+        ``tenant`` (the sender, "" for the default tenant) and ``tenant_weight``
+        (its share under the fair policy) travel with the request to the scheduler.
 
         Tokenization and validation run off the event loop. Raises ``ValueError``
         (naming the field) for an invalid request, ``EngineDeadError`` when the

@@ -216,3 +216,61 @@ class PrometheusStatLogger:
             self.request_decode_time.labels(*name).observe(finished.decode_time)
             self.request_prompt_tokens.labels(*name).observe(finished.num_prompt_tokens)
             self.request_generation_tokens.labels(*name).observe(finished.num_generation_tokens)
+
+
+class TenantMetrics:
+    """The server's per-tenant metrics: every series carries a ``tenant`` label.
+
+    The front end records them (it knows each request's tenant from its API
+    key): requests admitted, refused over a limit (``reason``: the limit),
+    running and waiting, tokens processed, and time to first token.
+    """
+
+    LIMITS = ("concurrent_requests", "waiting_requests", "tokens_per_minute")
+
+    def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
+        labels = ["model_name", "tenant"]
+        self.model_name = model_name
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels + list(extra), registry=registry)
+
+        self.requests = counter("tenant_requests", "Requests admitted, per tenant.")
+        self.rejected = counter(
+            "tenant_requests_rejected",
+            "Requests answered 429 because the tenant was over a limit.",
+            ("reason",),
+        )
+        self.running = gauge(
+            "tenant_requests_running", "Admitted requests that have produced output."
+        )
+        self.waiting = gauge(
+            "tenant_requests_waiting", "Admitted requests that have not produced output yet."
+        )
+        self.prompt_tokens = counter("tenant_prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("tenant_generation_tokens", "Tokens generated.")
+        self.time_to_first_token = Histogram(
+            PREFIX + "tenant_time_to_first_token_seconds",
+            "Admission to first output, per tenant.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+
+    def expose(self, tenant: str) -> None:
+        """Create a tenant's series at zero, so dashboards see it before its first request."""
+        name = (self.model_name, tenant)
+        for limit in self.LIMITS:
+            self.rejected.labels(*name, limit)
+        for metric in (
+            self.requests,
+            self.running,
+            self.waiting,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.time_to_first_token,
+        ):
+            metric.labels(*name)

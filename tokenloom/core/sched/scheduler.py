@@ -55,6 +55,13 @@ Other choices worth knowing:
   releases an item once its computed tokens pass it, and everything it holds
   when it finishes or is preempted. An item larger than the encoder budget
   or cache makes its request unservable.
+* The policy's queue (``request_queue.py``) orders admission and chooses
+  preemption victims. Under the fair policy (``fair_share.py``) every
+  scheduled token is charged to its request's tenant; while another tenant
+  waits, a tenant's prefill chunks are capped at its weight's share of the
+  step's budget; and one waiting request per step may take the seat of a
+  tenant holding more than its share of the batch (that tenant's latest
+  request is preempted, in the same step, and not resumed in it).
 """
 
 from __future__ import annotations
@@ -75,7 +82,11 @@ from tokenloom.core.sched.encoder_inputs import (
 )
 from tokenloom.core.sched.interface import SchedulerInterface
 from tokenloom.core.sched.output import NewRequestData, SchedulerOutput
-from tokenloom.core.sched.request_queue import RequestQueue, create_request_queue
+from tokenloom.core.sched.request_queue import (
+    FairRequestQueue,
+    RequestQueue,
+    create_request_queue,
+)
 from tokenloom.core.sched.step_builder import StepBuilder
 from tokenloom.outputs import (
     EngineCoreOutput,
@@ -146,7 +157,13 @@ class Scheduler(SchedulerInterface):
         self._capacity_blocks = self.kv_cache_manager.num_free_blocks
 
         self.requests: dict[str, Request] = {}
-        self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
+        self.waiting: RequestQueue = create_request_queue(
+            scheduler_config.policy,
+            priority_aging_s=scheduler_config.priority_aging_s,
+            fair_burst_tokens=scheduler_config.fair_burst_tokens,
+        )
+        # The fair policy's accounts (None under the other policies).
+        self._fair = self.waiting.fair if isinstance(self.waiting, FairRequestQueue) else None
         self.running: list[Request] = []
         # Ids finished since the last SchedulerOutput (sent so the runner drops them).
         self.finished_req_ids: set[str] = set()
@@ -162,7 +179,6 @@ class Scheduler(SchedulerInterface):
         threshold = scheduler_config.long_prefill_token_threshold
         # The threshold caps prefill chunks, so it only applies when chunking is on.
         self._chunk_cap = threshold if (chunked and threshold > 0) else sys.maxsize
-        self._priority = scheduler_config.policy == "priority"
 
         # Drafts only arrive through update_draft_token_ids; until the first ones do,
         # the per-request loops skip reading spec_token_ids (one less object touched
@@ -210,6 +226,8 @@ class Scheduler(SchedulerInterface):
             request.status = RequestStatus.WAITING_FOR_FSM
             self._num_structured += 1
         self.requests[request.request_id] = request
+        if self._fair is not None:
+            self._fair.join(request)
         self.waiting.add(request)
 
     def finish_requests(
@@ -222,9 +240,10 @@ class Scheduler(SchedulerInterface):
         running_gone: set[Request] = set()
         waiting_gone: list[Request] = []
         for req_id in request_ids:
-            request = self._forget(req_id)
+            request = self.requests.get(req_id)
             if request is None:
                 continue
+            self._forget(req_id, request.status == _RUNNING)
             if request.status == _RUNNING:
                 running_gone.add(request)
                 self.kv_cache_manager.free(request)
@@ -294,6 +313,18 @@ class Scheduler(SchedulerInterface):
         # encoding was scheduled and then taken back with a preempted request.
         mm_scheduled: list[Request] = []
         orphans: list[str] = []
+        fair = self._fair
+        # Fair policy with several tenants busy: each tenant's largest prefill chunk
+        # while others wait, and its tokens this step. The tally starts at one token
+        # per running request, the fast path's share (capped at one token), and the
+        # slow path corrects it; a step that preempts or runs out recounts exactly.
+        tally: dict[str, int] | None = None
+        tenant_caps: dict[str, int] | None = None
+        recount = False
+        if fair is not None and len(fair.active) > 1:
+            tally = fair.running_counts()
+            tenant_caps = fair.chunk_caps(token_budget)
+            fast_cap = min(fast_cap, 1)
 
         preempted = False
         # Iterate over a snapshot: preempting edits ``running`` mid-pass, and
@@ -323,6 +354,7 @@ class Scheduler(SchedulerInterface):
                 request.num_computed_tokens = num_tokens
                 continue
             if token_budget <= 0:
+                recount = True
                 break
             spec = request.spec_token_ids
             if spec:
@@ -332,9 +364,13 @@ class Scheduler(SchedulerInterface):
                     num_new = max_model_len - num_computed
             if num_new > chunk_cap:
                 num_new = chunk_cap
+            if tenant_caps is not None and not spec:
+                num_new = min(num_new, tenant_caps.get(request.tenant, num_new))
             if num_new > token_budget:
                 num_new = token_budget
             if num_new <= 0:
+                if tally is not None:
+                    tally[request.tenant] -= 1
                 continue
             encoder_inputs: list[int] = []
             encoder_tokens = 0
@@ -343,6 +379,8 @@ class Scheduler(SchedulerInterface):
                     request, num_computed, num_new, step.encoder_budget, self.encoder_cache_manager
                 )
                 if num_new <= 0:
+                    if tally is not None:
+                        tally[request.tenant] -= 1
                     continue
             # Draft tokens get slots as lookahead so the manager never caches
             # blocks holding unverified tokens.
@@ -362,13 +400,11 @@ class Scheduler(SchedulerInterface):
                     break
                 if victim.request_id in num_scheduled:
                     step.token_budget = token_budget
-                    taken = step.encoder_inputs.get(victim.request_id)
-                    if taken and victim.mm_features:
-                        orphans.extend(victim.mm_features[i].identifier for i in taken)
-                    step.unschedule(victim.request_id)
+                    self._unschedule(step, victim, orphans)
                     token_budget = step.token_budget
                 new_blocks = allocate(request, num_new - num_spec, 0, None, num_spec)
             if new_blocks is None:
+                recount = True
                 break
             if num_computed < request.mm_end:
                 self._claim_encoder_inputs(step, request, encoder_inputs, encoder_tokens)
@@ -389,10 +425,16 @@ class Scheduler(SchedulerInterface):
             if token_budget < fast_cap:
                 fast_cap = token_budget
             request.num_computed_tokens = num_computed + num_new
+            if tally is not None:
+                tally[request.tenant] += num_new - 1
         step.token_budget = token_budget
+        if fair is not None:
+            if recount or preempted:
+                tally = fair.tally(num_scheduled, self.requests)
+            fair.charge_step(tally, self.scheduler_config.max_num_batched_tokens - token_budget)
 
         if not preempted_ids and self.waiting:
-            self._admit_waiting(step, mm_scheduled)
+            self._admit_waiting(step, mm_scheduled, preempted_ids, tenant_caps, orphans)
         freed: list[str] = []
         if self._mm_seen:
             if orphans:
@@ -448,11 +490,20 @@ class Scheduler(SchedulerInterface):
             for input_id in input_ids:
                 self.encoder_cache_manager.allocate(request, input_id)
 
-    def _admit_waiting(self, step: StepBuilder, mm_scheduled: list[Request]) -> None:
+    def _admit_waiting(
+        self,
+        step: StepBuilder,
+        mm_scheduled: list[Request],
+        preempted_ids: set[str],
+        tenant_caps: dict[str, int] | None,
+        orphans: list[str],
+    ) -> None:
         """Admit waiting requests in queue order within ``step``'s budget.
 
         Stops at the first request that does not fit (no reordering), so a
-        large prompt is not overtaken by smaller ones behind it.
+        large prompt is not overtaken by smaller ones behind it, unless the
+        policy lets it take a running request's place (``_reclaim``).
+        ``tenant_caps`` bounds each tenant's prompt chunk (fair policy).
         """
         config = self.scheduler_config
         chunked = config.enable_chunked_prefill
@@ -462,9 +513,17 @@ class Scheduler(SchedulerInterface):
         running = self.running
         max_loras = self._max_loras
         adapters = {r.lora_int_id for r in running if r.lora_int_id} if max_loras else set()
+        fair = self._fair
+        num_running = len(running)  # requests admitted by this call come after these
+        reclaimed = False
         skipped: list[Request] = []
-        while waiting and step.token_budget > 0 and len(running) < config.max_num_seqs:
+        while waiting and step.token_budget > 0:
             request = waiting.peek()
+            if request.request_id in preempted_ids:
+                break  # taken out this step (a reclaimed seat): it resumes in a later one
+            seats_full = len(running) >= config.max_num_seqs
+            if seats_full and (reclaimed or fair is None):
+                break
             if request.status == _WAITING_FOR_FSM:
                 ready = self._grammar_ready(request)
                 if ready is None:  # the grammar failed to compile
@@ -482,6 +541,12 @@ class Scheduler(SchedulerInterface):
             if lora_id and lora_id not in adapters and len(adapters) >= max_loras:
                 skipped.append(waiting.pop())  # another adapter would exceed max_loras
                 continue
+            if seats_full:
+                if not self._reclaim(request, step, preempted_ids, num_running, orphans):
+                    break
+                reclaimed = True
+                num_running -= 1
+                continue
             if caching:
                 computed_blocks, num_cached = manager.get_computed_blocks(request)
             else:
@@ -490,6 +555,8 @@ class Scheduler(SchedulerInterface):
             num_new = num_tokens - num_cached
             if chunked:
                 num_new = min(num_new, self._chunk_cap, step.token_budget)
+                if tenant_caps is not None:
+                    num_new = min(num_new, tenant_caps.get(request.tenant, num_new))
             elif num_new > config.max_num_batched_tokens:
                 waiting.pop()
                 self._ignore(request)
@@ -510,12 +577,20 @@ class Scheduler(SchedulerInterface):
             if manager.allocate_slots(request, num_new, num_cached, computed_blocks) is None:
                 if request.mm_features:
                     self.encoder_cache_manager.free(request)
-                break
+                if reclaimed or not self._reclaim(
+                    request, step, preempted_ids, num_running, orphans
+                ):
+                    break
+                reclaimed = True
+                num_running -= 1
+                continue  # the freed blocks may hold a prefix it would have hit: look again
             if num_cached < request.mm_end:
                 self._claim_encoder_inputs(step, request, encoder_inputs, encoder_tokens)
                 mm_scheduled.append(request)
             waiting.pop()
             running.append(request)
+            if fair is not None:
+                fair.admitted(request, num_new)
             if lora_id:
                 adapters.add(lora_id)
             req_id = request.request_id
@@ -608,12 +683,15 @@ class Scheduler(SchedulerInterface):
             structured, scheduler_output.scheduled_spec_decode_tokens, also_allowed
         )
 
-    def _forget(self, req_id: str) -> Request | None:
+    def _forget(self, req_id: str, running: bool = False) -> Request | None:
         """Take a request out of ``requests`` (None if it is not there), keeping the
         count of structured requests in step."""
         request = self.requests.pop(req_id, None)
-        if request is not None and request.structured_output_request is not None:
-            self._num_structured -= 1
+        if request is not None:
+            if request.structured_output_request is not None:
+                self._num_structured -= 1
+            if self._fair is not None:
+                self._fair.leave(request, running)
         return request
 
     def _unservable(self, request: Request) -> bool:
@@ -639,14 +717,43 @@ class Scheduler(SchedulerInterface):
         self._ignored.append(request)
 
     def _pick_victim(self) -> int:
-        """Index in ``running`` of the request to preempt: the last one under FCFS,
-        the highest ``(priority, arrival_time)`` under the priority policy."""
-        running = self.running
-        if not self._priority:
-            return len(running) - 1
-        return max(
-            range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time)
-        )
+        """Index in ``running`` of the request to preempt: the policy's choice (the last
+        one under FCFS, the worst priority under the priority policy, the latest of
+        the tenant furthest ahead under the fair policy)."""
+        return self.waiting.pick_victim(self.running)
+
+    def _reclaim(
+        self,
+        request: Request,
+        step: StepBuilder,
+        preempted_ids: set[str],
+        num_running: int,
+        orphans: list[str],
+    ) -> bool:
+        """Preempt the running request (one of the first ``num_running``, which were not
+        admitted this step) the policy names to make room for ``request``; False if none.
+        Items the victim was to encode this step go to ``orphans``."""
+        index = self.waiting.reclaim_victim(request, self.running, num_running)
+        if index is None:
+            return False
+        victim = self.running[index]
+        num_scheduled = step.num_scheduled.get(victim.request_id)
+        if num_scheduled is not None:
+            self._unschedule(step, victim, orphans)
+            if self._fair is not None:
+                self._fair.charge(victim, -num_scheduled)
+        self._preempt(index)
+        preempted_ids.add(victim.request_id)
+        return True
+
+    @staticmethod
+    def _unschedule(step: StepBuilder, victim: Request, orphans: list[str]) -> None:
+        """Take back ``victim``'s place in this step (it is being preempted); the
+        encoder inputs it was to encode go to ``orphans`` (see ``_settle_orphans``)."""
+        taken = step.encoder_inputs.get(victim.request_id)
+        if taken and victim.mm_features:
+            orphans.extend(victim.mm_features[i].identifier for i in taken)
+        step.unschedule(victim.request_id)
 
     def _preempt(self, index: int) -> None:
         """Free a running request's blocks and put it back in front of the queue."""
@@ -654,6 +761,8 @@ class Scheduler(SchedulerInterface):
         self.kv_cache_manager.free(request)
         if request.mm_features:
             self.encoder_cache_manager.free(request)
+        if self._fair is not None:
+            self._fair.preempted(request)
         request.status = _PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -740,7 +849,7 @@ class Scheduler(SchedulerInterface):
                 if request.mm_features:
                     self.encoder_cache_manager.free(request)
                 req_id = request.request_id
-                self._forget(req_id)
+                self._forget(req_id, running=True)
                 self.finished_req_ids.add(req_id)
                 finished_ids.setdefault(request.client_index, set()).add(req_id)
             gone = set(finished)

@@ -16,8 +16,10 @@ from pydantic import ValidationError
 
 _ERROR_TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
     413: "RequestTooLargeError",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -28,19 +30,28 @@ _SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 class OpenAIError(Exception):
-    """An error to report to the client with an HTTP status and an OpenAI body."""
+    """An error to report to the client with an HTTP status, an OpenAI body and
+    optional headers (``Retry-After`` with a 429)."""
 
-    def __init__(self, message: str, param: str | None = None, *, status: int = 400) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        *,
+        status: int = 400,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
+        self.headers = dict(headers) if headers else None
 
     def body(self) -> dict[str, dict[str, object]]:
         return error_body(self.message, self.param, self.status)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_body(message: str, param: str | None, status: int) -> dict[str, dict[str, object]]:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
@@ -25,9 +27,10 @@ from tokenloom.default_model import DEFAULT_MODEL_NAME
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.protocol import EngineClient
 from tokenloom.metrics.dashboard import DashboardFeed
-from tokenloom.metrics.prometheus import PrometheusStatLogger
+from tokenloom.metrics.prometheus import PrometheusStatLogger, TenantMetrics
 from tokenloom.model.hub import looks_like_hub_id
 
+from .auth import AccessConfig, AuthMiddleware, CorsConfig, secure_openapi
 from .cli_args import ServerArgs
 from .dashboard import add_dashboard_routes
 from .errors import OpenAIError, error_body
@@ -63,6 +66,7 @@ from .serving_tokenization import (
     TokenizeResponse,
     parse_tokenize_body,
 )
+from .tenants import TenantRegistry, describe
 from .tool_parsers import DEFAULT_TOOL_CALL_PARSER
 
 if TYPE_CHECKING:
@@ -108,6 +112,8 @@ def build_app(
     registry: CollectorRegistry | None = None,
     enable_lora: bool = False,
     dashboard: bool = True,
+    access: AccessConfig | None = None,
+    cors: CorsConfig | None = None,
 ) -> FastAPI:
     """An app serving ``engine`` under ``served_model_name`` (default: the engine's name).
 
@@ -120,7 +126,9 @@ def build_app(
     needs ``enable_auto_tool_choice``. ``reasoning_parser`` (the engine's)
     splits a reasoning model's thinking from its answer. ``dashboard`` serves
     the live dashboard at ``/dashboard``, fed by a ``DashboardFeed`` that joins
-    ``engine.stat_loggers``.
+    ``engine.stat_loggers``. ``access``: API keys
+    and tenants (see auth.py; None: no key needed, every request is the
+    default tenant's); ``cors``: cross-origin calls allowed (None: none).
     """
     model_name = served_model_name or engine.model_name
     adapters = LoRAAdapters(engine, (model_name, engine.model_name)) if enable_lora else None
@@ -146,10 +154,23 @@ def build_app(
     if dashboard:
         feed = DashboardFeed(model_name, engine.data_parallel_size)
         engine.stat_loggers.append(feed)
+    access = access or AccessConfig()
+    tenants = TenantRegistry(access.tenants, TenantMetrics(model_name, metrics_registry))
 
     app = FastAPI(title="tokenloom", version=tokenloom.__version__)
     app.state.serving = serving
     app.state.registry = metrics_registry
+    app.state.tenants = tenants
+    # The last added runs first: CORS answers preflights (and labels 401s) before auth.
+    app.add_middleware(AuthMiddleware, access=access, tenants=tenants)
+    if cors is not None:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors.allowed_origins),
+            allow_methods=list(cors.allowed_methods),
+            allow_headers=list(cors.allowed_headers),
+            allow_credentials=cors.allow_credentials,
+        )
     _add_error_handlers(app)
     lora_bodies: list[type[BaseModel]] = (
         [LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest] if enable_lora else []
@@ -167,6 +188,7 @@ def build_app(
         [CompletionChunk, ChatCompletionChunk],
         None if enable_lora else sorted({model_name, engine.model_name}),
     )
+    secure_openapi(app, access, tenants.has_limits())
 
     @app.post(
         "/v1/completions",
@@ -323,6 +345,7 @@ def run_server(args: argparse.Namespace) -> None:
     try:
         server_args = ServerArgs.from_cli_args(args)
         engine_args = EngineArgs.from_cli_args(args)
+        server_args.access_config()  # the tenants file is checked before the model loads
     except ValueError as exc:
         raise SystemExit(f"tokenloom serve: {exc}") from None
     lora_modules = parse_lora_modules(server_args.lora_modules)
@@ -339,6 +362,12 @@ async def _serve(
     model_name = engine_args.config.frontend_config.served_model_name or (
         default_served_model_name(engine_args.model)
     )
+    access = server_args.access_config()
+    if access.tenants:
+        policy = engine_args.config.scheduler_config.policy
+        logger.info("tenants (policy %s): %s", policy, describe(access.tenants))
+        if policy != "fair" and any(t.weight != 1 for t in access.tenants):
+            logger.warning("tenant weights only matter with --policy fair (now: %s)", policy)
     try:
         engine = AsyncLLM.from_engine_args(engine_args)
     except ValueError as exc:  # an option the model cannot serve (it names the option)
@@ -355,6 +384,8 @@ async def _serve(
             enable_auto_tool_choice=server_args.enable_auto_tool_choice,
             reasoning_parser=engine_args.config.frontend_config.reasoning_parser,
             dashboard=server_args.dashboard,
+            access=access,
+            cors=server_args.cors_config(),
         )
         adapters = app.state.serving.adapters
         for name, path in lora_modules:
@@ -370,8 +401,22 @@ async def _serve(
             timeout_keep_alive=5,
             # Ctrl-C must not wait for long streams to finish on their own.
             timeout_graceful_shutdown=5,
+            ssl_keyfile=server_args.ssl_keyfile,
+            ssl_certfile=server_args.ssl_certfile,
+            ssl_ca_certs=server_args.ssl_ca_certs,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if server_args.ssl_ca_certs else ssl.CERT_NONE,
+            root_path=server_args.root_path or "",
         )
-        logger.info("serving %s on http://%s:%d", model_name, server_args.host, server_args.port)
+        scheme = "https" if server_args.ssl_certfile else "http"
+        logger.info(
+            "serving %s on %s://%s:%d%s (API key %s)",
+            model_name,
+            scheme,
+            server_args.host,
+            server_args.port,
+            server_args.root_path or "",
+            "required" if access.requires_key else "not required",
+        )
         await uvicorn.Server(config).serve()
     finally:
         engine.shutdown()

@@ -38,6 +38,7 @@ from tokenloom.sampling_params import SamplingParams
 from .body import decode_body
 from .errors import OpenAIError, from_value_error
 from .serving_lora import LoRAAdapters
+from .tenants import current_lease
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -268,7 +269,8 @@ class OpenAIServing:
         )
 
     def check_capacity(self, num_new: int) -> None:
-        """503 when admitting ``num_new`` more requests would exceed the waiting limit.
+        """503 when admitting ``num_new`` more requests would exceed the waiting limit;
+        429 when the request's tenant is over one of its limits (``tenants.py``).
 
         The count is kept here (requests without output yet) rather than read
         from the engine's scheduler stats, which are only refreshed by engine
@@ -276,15 +278,18 @@ class OpenAIServing:
         """
         if self.engine.errored:
             raise OpenAIError("the engine is dead; restart the server", status=503)
-        if self.max_waiting_requests is None:
-            return
         waiting = self._num_not_started
-        if waiting + num_new > self.max_waiting_requests:
+        if self.max_waiting_requests is not None and (
+            waiting + num_new > self.max_waiting_requests
+        ):
             raise OpenAIError(
                 f"server overloaded: {waiting} requests waiting "
                 f"(--max-waiting-requests {self.max_waiting_requests}); retry later",
                 status=503,
             )
+        lease = current_lease.get()
+        if lease is not None:
+            lease.admit()
 
     async def generate(
         self,
@@ -299,9 +304,15 @@ class OpenAIServing:
         lora_request: LoRARequest | None = None,
         trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """``engine.generate`` with errors mapped to OpenAIError and admission bookkeeping."""
+        """``engine.generate`` with errors mapped to OpenAIError and admission bookkeeping.
+
+        The request runs as its tenant (the HTTP request's lease), which is told
+        of its tokens as they come.
+        """
         self._num_not_started += 1
         started = False
+        lease = current_lease.get()
+        tenant = lease.tenant if lease is not None else None
         stream = self.engine.generate(
             prompt,
             params,
@@ -310,13 +321,21 @@ class OpenAIServing:
             delta=delta,
             lora_request=lora_request,
             trace_headers=trace_headers,
+            tenant=tenant.name if tenant is not None else "",
+            tenant_weight=tenant.weight if tenant is not None else 1.0,
         )
+        num_generated = 0
         in_use: AbstractContextManager[None] = (
             self.adapters.in_use(lora_request) if self.adapters is not None else nullcontext()
         )
         with in_use:
             try:
                 async for output in stream:
+                    if lease is not None:
+                        tokens = sum(len(out.token_ids) for out in output.outputs)
+                        if not delta:  # cumulative outputs: count what is new
+                            tokens, num_generated = tokens - num_generated, tokens
+                        lease.on_output(0 if started else len(output.prompt_token_ids), tokens)
                     if not started:
                         started = True
                         self._num_not_started -= 1

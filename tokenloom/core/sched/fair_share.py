@@ -1,0 +1,264 @@
+"""The fair policy's accountant: how much of the engine each tenant has had.
+
+Each tenant (``Request.tenant``, weighted by ``Request.tenant_weight``) has a
+virtual time: the tokens scheduled for its requests (prompt chunks, outputs
+and drafts) divided by its weight. The fair policy serves the tenant with the
+lowest virtual time first (weighted fair queueing on tokens served), so over
+a busy period each tenant's tokens approach its weight's share of what the
+engine served while it had requests.
+
+The clock is the lowest virtual time among the tenants with requests; it
+never goes back. A tenant with no requests is neither charged nor holds the
+clock back. When it gets a request again its virtual time is raised to at
+least ``clock - burst_tokens``: however long it was idle, it may be served at
+most ``burst_tokens`` times its weight ahead of its share, and tenants that
+arrive together start level. A tenant that leaves while ahead of the others
+keeps that lead against it (its record stays until the clock passes it).
+
+The scheduler asks it four things (see ``Scheduler``): which tenant's waiting
+request comes next (``FairRequestQueue`` in ``request_queue.py``, over the
+per-tenant queues kept here), how large a prefill chunk a tenant may take
+while another tenant waits (``chunk_caps``: its weight's share of the step's
+token budget), which running request to preempt when blocks run out
+(``pick_victim``: the one that started last in virtual time, as in start-time
+fair queueing: each running request keeps its tenant's virtual time at its
+admission, so the request admitted most recently by the fair order gives
+way, and the one admitted earliest always progresses), and whether a
+waiting request may take a seat from a tenant holding more than its share of
+the running batch (``reclaim_victim``). With one tenant busy every answer is
+FCFS's, and charging a step costs O(1); with several, the scheduler counts
+each tenant's tokens as it schedules them (``charge_step``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from tokenloom.request import Request
+
+
+class TenantShare:
+    """One tenant's account: weight, virtual time, live requests and waiting queue."""
+
+    __slots__ = ("name", "weight", "vtime", "num_requests", "num_running", "waiting")
+
+    def __init__(self, name: str, weight: float) -> None:
+        self.name = name
+        self.weight = weight
+        # Tokens served / weight (-inf until it first joins: the burst floor applies).
+        self.vtime = -math.inf
+        # Its requests in the scheduler (waiting, running or preempted), and those running.
+        self.num_requests = 0
+        self.num_running = 0
+        # Its waiting requests, in the order it sent them (preempted ones in front).
+        self.waiting: deque[Request] = deque()
+
+    def __repr__(self) -> str:
+        return (
+            f"TenantShare({self.name!r}, weight={self.weight}, vtime={self.vtime:.1f}, "
+            f"requests={self.num_requests}, running={self.num_running}, "
+            f"waiting={len(self.waiting)})"
+        )
+
+
+class FairShare:
+    """Virtual times of the tenants, and the fair policy's decisions that read them."""
+
+    def __init__(self, burst_tokens: int) -> None:
+        if burst_tokens < 0:
+            raise ValueError(f"fair_burst_tokens must be >= 0, got {burst_tokens}")
+        self.burst_tokens = burst_tokens
+        # Tenants with requests, and idle ones still ahead of where a return would put them.
+        self.tenants: dict[str, TenantShare] = {}
+        # Tenants with requests in the scheduler.
+        self.active: dict[str, TenantShare] = {}
+        # Tenants with waiting requests (kept by FairRequestQueue).
+        self.queued: dict[str, TenantShare] = {}
+        # Running request id -> its tenant's virtual time when it was admitted.
+        self.starts: dict[str, float] = {}
+        self.clock = 0.0
+
+    # ------------------------------------------------------------------ membership
+
+    def join(self, request: Request) -> None:
+        """A request enters the scheduler; its tenant becomes busy if it was idle."""
+        share = self.tenants.get(request.tenant)
+        if share is None:
+            share = self.tenants[request.tenant] = TenantShare(request.tenant, 1.0)
+        share.weight = request.tenant_weight
+        if not share.num_requests:
+            self._advance_clock()
+            floor = self.clock - self.burst_tokens
+            if share.vtime < floor:
+                share.vtime = floor
+            self.active[share.name] = share
+        share.num_requests += 1
+
+    def admitted(self, request: Request, num_tokens: int) -> None:
+        """A waiting request starts running with ``num_tokens`` scheduled."""
+        share = self.tenants[request.tenant]
+        share.num_running += 1
+        self.starts[request.request_id] = share.vtime
+        share.vtime += num_tokens / share.weight
+
+    def preempted(self, request: Request) -> None:
+        self.tenants[request.tenant].num_running -= 1
+        del self.starts[request.request_id]
+
+    def leave(self, request: Request, running: bool) -> None:
+        """A request left the scheduler (finished, aborted or refused), from ``running``
+        or not."""
+        share = self.tenants[request.tenant]
+        share.num_requests -= 1
+        if running:
+            share.num_running -= 1
+            del self.starts[request.request_id]
+        if share.num_requests:
+            return
+        # Service while it was busy moves the clock even if it was busy alone.
+        self._advance_clock()
+        del self.active[share.name]
+        if share.vtime <= self.clock - self.burst_tokens:
+            del self.tenants[share.name]  # no lead to remember: a return starts at the floor
+
+    def _advance_clock(self) -> None:
+        if self.active:
+            low = min(share.vtime for share in self.active.values())
+            if low > self.clock:
+                self.clock = low
+
+    # ------------------------------------------------------------------ charging
+
+    def charge(self, request: Request, num_tokens: int) -> None:
+        share = self.tenants[request.tenant]
+        share.vtime += num_tokens / share.weight
+
+    def running_counts(self) -> dict[str, int]:
+        """Running requests per busy tenant (a step's tally when each gets one token)."""
+        return {name: share.num_running for name, share in self.active.items()}
+
+    def tally(self, num_scheduled: dict[str, int], requests: dict[str, Request]) -> dict[str, int]:
+        """Tokens per busy tenant in ``num_scheduled``, counted one request at a time."""
+        tokens = dict.fromkeys(self.active, 0)
+        for req_id, num in num_scheduled.items():
+            tokens[requests[req_id].tenant] += num
+        return tokens
+
+    def charge_step(self, tally: dict[str, int] | None, total: int) -> None:
+        """Charge a step's tokens: ``tally`` per tenant, or (None: one tenant busy)
+        all ``total`` of them to the busy tenant."""
+        if tally is None:
+            for share in self.active.values():
+                share.vtime += total / share.weight
+            return
+        active = self.active
+        for name, num in tally.items():
+            share = active[name]
+            share.vtime += num / share.weight
+
+    # ------------------------------------------------------------------ decisions
+
+    def chunk_caps(self, token_budget: int) -> dict[str, int] | None:
+        """The largest prefill chunk each tenant may take this step while another tenant
+        has requests waiting: its weight's share of ``token_budget``, or more where the
+        others' waiting prompts need less than the rest (the budget stays in use).
+        None when nobody is capped (one busy tenant, or nobody waiting)."""
+        active = self.active
+        queued = self.queued
+        if len(active) < 2 or not queued:
+            return None
+        demand = {name: _queued_tokens(share, token_budget) for name, share in queued.items()}
+        total_demand = sum(demand.values())
+        total_weight = sum(share.weight for share in active.values())
+        caps = {}
+        for name, share in active.items():
+            others = total_demand - demand.get(name, 0)
+            if others:
+                fair = int(token_budget * share.weight / total_weight)
+                caps[name] = max(1, fair, token_budget - others)
+        return caps or None
+
+    def pick_victim(self, running: list[Request]) -> int:
+        """Index of the running request to preempt: the one with the latest virtual
+        start, the later admitted on a tie (the last one when one tenant is busy)."""
+        last = len(running) - 1
+        if len(self.active) < 2:
+            return last
+        starts = self.starts
+        best, best_start = last, -math.inf
+        for i in range(last, -1, -1):
+            start = starts[running[i].request_id]
+            if start > best_start:
+                best, best_start = i, start
+        return best
+
+    def reclaim_victim(
+        self, request: Request, running: list[Request], candidates: int
+    ) -> int | None:
+        """Index (below ``candidates``) of a running request to preempt so that
+        ``request``, blocked on seats or blocks, can run; None when it must wait.
+
+        A tenant's share of the running batch is ``len(running)`` times its
+        weight over the busy tenants' total. ``request`` may take a seat when
+        its tenant would still hold no more than its share, from the tenant
+        furthest ahead in virtual time among those that would still hold at
+        least theirs, so a seat never moves back and forth.
+        """
+        active = self.active
+        if len(active) < 2:
+            return None
+        share = self.tenants[request.tenant]
+        seats_per_weight = len(running) / sum(s.weight for s in active.values())
+        if share.num_running + 1 > share.weight * seats_per_weight:
+            return None
+        victim: TenantShare | None = None
+        for other in active.values():
+            if (
+                other is not share
+                and other.vtime > share.vtime
+                and other.num_running - 1 >= other.weight * seats_per_weight
+                and (victim is None or other.vtime > victim.vtime)
+            ):
+                victim = other
+        if victim is None:
+            return None
+        # A tenant's virtual starts never fall in admission order (``running``'s
+        # order), so its last request there has the latest start.
+        name = victim.name
+        for i in range(candidates - 1, -1, -1):
+            if running[i].tenant == name:
+                return i
+        return None
+
+    def check_integrity(self, running: list[Request]) -> None:
+        """The books agree with themselves and with ``running`` (for tests)."""
+        counts: dict[str, int] = {}
+        for request in running:
+            counts[request.tenant] = counts.get(request.tenant, 0) + 1
+        assert counts == {n: s.num_running for n, s in self.active.items() if s.num_running}
+        assert self.starts.keys() == {request.request_id for request in running}
+        latest: dict[str, float] = {}
+        for request in running:  # starts never fall in admission order (reclaim_victim)
+            start = self.starts[request.request_id]
+            assert start >= latest.get(request.tenant, -math.inf), (request, start, latest)
+            latest[request.tenant] = start
+        for name, share in self.active.items():
+            assert self.tenants[name] is share and share.num_requests > 0
+        for name, share in self.queued.items():
+            assert self.active[name] is share and share.waiting
+        for share in self.tenants.values():
+            assert share.num_requests >= 0 and (share.name in self.active) == bool(
+                share.num_requests
+            )
+            assert len(share.waiting) + share.num_running <= share.num_requests
+
+
+def _queued_tokens(share: TenantShare, limit: int) -> int:
+    """Tokens of ``share``'s waiting requests, counted up to ``limit``."""
+    total = 0
+    for request in share.waiting:
+        total += request.num_tokens
+        if total >= limit:
+            return limit
+    return total
