@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from tokenloom.config import CacheConfig, LoRAConfig, SchedulerConfig
 from tokenloom.core.sched.output import SchedulerOutput
 from tokenloom.core.sched.scheduler import Scheduler
+from tokenloom.kv_transfer.base import KVConnectorBase
 from tokenloom.lora_request import LoRARequest
 from tokenloom.multimodal.inputs import MultiModalFeatureSpec
 from tokenloom.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
@@ -179,6 +180,7 @@ def make_scheduler(
     encoder_cache_size: int | None = None,
     enable_encoder_cache: bool = True,
     max_tokens_per_mm_item: int = 0,
+    kv_connector: KVConnectorBase | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -202,6 +204,7 @@ def make_scheduler(
         lora_config=lora_config,
         structured_output_manager=structured_output_manager,
         max_tokens_per_mm_item=max_tokens_per_mm_item,
+        kv_connector=kv_connector,
     )
 
 
