@@ -774,9 +774,9 @@ class Scheduler(SchedulerInterface):
         """
         kv_output = model_runner_output.kv_connector_output
         if kv_output is not None and self._kv is not None:
-            for request in self._kv.before_output(kv_output, self.running, self.waiting):
-                self._preempted_outside.add(request.request_id)
-                self._preempt(self.running.index(request))
+            for victim in self._kv.before_output(kv_output, self.running, self.waiting):
+                self._preempted_outside.add(victim.request_id)
+                self._preempt(self.running.index(victim))
         requests = self.requests
         get_request = requests.get
         logprobs_all = model_runner_output.logprobs
