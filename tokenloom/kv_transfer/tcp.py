@@ -12,6 +12,12 @@ so the engines may be on different machines) while the request waits as
 producer frees the blocks once they are sent, or after ``send_timeout_s``
 when no pull comes.
 
+The producer's scheduler side hands a finished request's blocks to its
+worker side's serving thread through a ``HoldTable`` they share (one engine
+core is one process: the connector refuses tensor parallelism), so a pull can
+be served as soon as the request finished, whether or not the engine steps
+again; the blocks are freed in the first step after they were sent.
+
 KV is only taken for exactly the tokens it was computed for: the params
 carry the producer's KV cache fingerprint and a digest of the prompt; a
 mismatch (another model, another prompt) means a local prefill, logged and
@@ -23,6 +29,8 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -93,11 +101,38 @@ class PullJob(msgspec.Struct):
 
 
 class TcpMeta(msgspec.Struct):
-    """One step's work: blocks the producer now holds for pulls (by request), and
-    the pulls the consumer starts."""
+    """One step's work: the pulls the consumer starts."""
 
-    holds: dict[str, list[int]]
     pulls: dict[str, PullJob]
+
+
+class HoldTable:
+    """Finished requests' blocks a producer keeps for their pull, with a deadline.
+
+    Written by the scheduler side (``request_finished``), read by the worker
+    side's serving thread; each hold is taken once (served) or expires.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holds: dict[str, tuple[list[int], float]] = {}
+
+    def add(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
+        with self._lock:
+            self._holds[request_id] = (list(block_ids), time.monotonic() + timeout_s)
+
+    def take(self, request_id: str) -> list[int] | None:
+        with self._lock:
+            hold = self._holds.pop(request_id, None)
+        return None if hold is None else hold[0]
+
+    def take_expired(self) -> list[str]:
+        now = time.monotonic()
+        with self._lock:
+            expired = [r for r, (_, deadline) in self._holds.items() if deadline < now]
+            for request_id in expired:
+                del self._holds[request_id]
+        return expired
 
 
 class PullRequest(msgspec.Struct):
@@ -129,7 +164,8 @@ _PARAM_TYPES: dict[str, type | tuple[type, ...]] = {
 
 
 class TcpConnector(KVConnectorBase):
-    """``info``: what the worker side reports at start (``port``: where it listens)."""
+    """``info``: what the worker side reports at start (``port``: where it listens;
+    ``holds``: its ``HoldTable``, for a producer)."""
 
     def __init__(self, config: KVTransferConfig, spec: KVCacheSpec, info: dict[str, Any]) -> None:
         self.config = config
@@ -142,7 +178,9 @@ class TcpConnector(KVConnectorBase):
             host = socket.gethostname()
         self.host = host
         self.port = int(info.get("port", config.kv_port))
-        self._holds: dict[str, list[int]] = {}
+        self._holds: HoldTable | None = info.get("holds")
+        if config.is_producer and self._holds is None:
+            raise ValueError("a TcpConnector producer needs its worker side's hold table")
         self._pending: dict[str, tuple[dict[str, Any], int]] = {}
         self._pulls: dict[str, PullJob] = {}
         self._pulling: set[str] = set()
@@ -215,8 +253,7 @@ class TcpConnector(KVConnectorBase):
     # ------------------------------------------------------------------ each step
 
     def build_connector_meta(self, scheduler_output: Any) -> TcpMeta:
-        meta = TcpMeta(self._holds, self._pulls)
-        self._holds = {}
+        meta = TcpMeta(self._pulls)
         self._pulls = {}
         return meta
 
@@ -234,7 +271,7 @@ class TcpConnector(KVConnectorBase):
         self._asked.discard(req_id)
         params = request.kv_transfer_params
         if (
-            not self.config.is_producer
+            self._holds is None
             or not params
             or not params.get("do_remote_decode")
             or request.status == RequestStatus.FINISHED_ABORTED
@@ -242,7 +279,7 @@ class TcpConnector(KVConnectorBase):
         ):
             return False, None
         num_tokens = min(request.num_computed_tokens, request.num_tokens)
-        self._holds[req_id] = block_ids
+        self._holds.add(req_id, block_ids, self.extra["send_timeout_s"])
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

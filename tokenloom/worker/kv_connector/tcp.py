@@ -1,11 +1,11 @@
 """``TcpConnector``, worker side: serves and pulls KV blocks over ZMQ/TCP.
 
 Producer: a thread owns a ROUTER socket on ``kv_ip:kv_port``. Each finished
-request's blocks arrive as a hold (from the step's metadata); a pull for it
-(``PullRequest``) is answered with a ``PullReply`` and one frame of the
-blocks' bytes (``block_io`` layout), after which the blocks are released
-(``finished_sending``). A pull that comes before its hold waits for it; holds
-nobody pulls within ``send_timeout_s`` are released too.
+request's blocks are a hold in the ``HoldTable`` the scheduler side fills; a
+pull for it (``PullRequest``) is answered with a ``PullReply`` and one frame
+of the blocks' bytes (``block_io`` layout), after which the blocks are
+released (``finished_sending``). A pull that comes before its hold waits for
+it a moment; holds nobody pulls within ``send_timeout_s`` are released too.
 
 Consumer: each pull runs on a small thread pool: a TCP connect within
 ``connect_timeout_s`` (a dead peer fails at once), then the request and the
@@ -17,7 +17,6 @@ computes them: nothing waits forever on a peer.
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import threading
 import time
@@ -32,7 +31,14 @@ import zmq
 from tokenloom.config import KVTransferConfig
 from tokenloom.core.sched.output import SchedulerOutput
 from tokenloom.kv_transfer.base import KVCacheSpec
-from tokenloom.kv_transfer.tcp import PullJob, PullReply, PullRequest, TcpMeta, extra_config
+from tokenloom.kv_transfer.tcp import (
+    HoldTable,
+    PullJob,
+    PullReply,
+    PullRequest,
+    TcpMeta,
+    extra_config,
+)
 from tokenloom.outputs import KVConnectorOutput, KVTransferStats
 from tokenloom.worker.kv_connector.base import KVConnectorWorker
 from tokenloom.worker.kv_connector.block_io import KVBlockIO
@@ -68,7 +74,7 @@ class TcpWorker(KVConnectorWorker):
         self._stop = threading.Event()
         self.port = config.kv_port
         self._server: threading.Thread | None = None
-        self._new_holds: queue.SimpleQueue[tuple[str, list[int]]] = queue.SimpleQueue()
+        self.holds: HoldTable | None = None
         if config.is_producer:
             router = self._context.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
@@ -84,6 +90,7 @@ class TcpWorker(KVConnectorWorker):
                     f"kv_transfer_config: cannot listen on {config.kv_ip}:{config.kv_port} "
                     f"for KV pulls: {exc}"
                 ) from None
+            self.holds = HoldTable()
             self._server = threading.Thread(
                 target=self._serve, args=(router,), name="kv-send", daemon=True
             )
@@ -93,15 +100,13 @@ class TcpWorker(KVConnectorWorker):
 
     @property
     def info(self) -> dict[str, Any]:
-        return {"port": self.port}
+        return {"port": self.port, "holds": self.holds}
 
     # ------------------------------------------------------------------ the step
 
     def start_load_kv(self, scheduler_output: SchedulerOutput, metadata: Any) -> None:
         if not isinstance(metadata, TcpMeta):
             return
-        for req_id, block_ids in metadata.holds.items():
-            self._new_holds.put((req_id, block_ids))
         for req_id, job in metadata.pulls.items():
             self._pool.submit(self._pull, req_id, job)
 
@@ -137,20 +142,12 @@ class TcpWorker(KVConnectorWorker):
     # ------------------------------------------------------------------ producer
 
     def _serve(self, router: zmq.Socket) -> None:
-        holds: dict[str, tuple[list[int], float]] = {}
-        early: dict[str, list[tuple[bytes, PullRequest, float]]] = {}
-        send_timeout = self.extra["send_timeout_s"]
+        holds = self.holds
+        assert holds is not None
+        # Pulls that came before their request finished, with how long they may wait.
+        early: list[tuple[bytes, PullRequest, float]] = []
         try:
             while not self._stop.is_set():
-                now = time.monotonic()
-                while True:
-                    try:
-                        req_id, block_ids = self._new_holds.get_nowait()
-                    except queue.Empty:
-                        break
-                    holds[req_id] = (block_ids, now + send_timeout)
-                    for identity, pull, _ in early.pop(req_id, ()):
-                        self._send(router, identity, pull, holds)
                 if router.poll(_POLL_MS):
                     identity, frame = router.recv_multipart()
                     try:
@@ -158,38 +155,31 @@ class TcpWorker(KVConnectorWorker):
                     except msgspec.DecodeError:
                         router.send_multipart([identity, _encode(PullReply(False, "bad request"))])
                         continue
-                    if pull.request_id in holds:
-                        self._send(router, identity, pull, holds)
-                    else:
-                        early.setdefault(pull.request_id, []).append(
-                            (identity, pull, time.monotonic() + _HOLD_WAIT_S)
-                        )
+                    early.append((identity, pull, time.monotonic() + _HOLD_WAIT_S))
                 now = time.monotonic()
-                for req_id in [r for r, (_, deadline) in holds.items() if deadline < now]:
-                    del holds[req_id]
+                waiting = []
+                for identity, pull, deadline in early:
+                    block_ids = holds.take(pull.request_id)
+                    if block_ids is not None:
+                        self._send(router, identity, pull, block_ids)
+                    elif deadline < now:
+                        reply = PullReply(False, f"no KV held for request {pull.request_id}")
+                        router.send_multipart([identity, _encode(reply)])
+                    else:
+                        waiting.append((identity, pull, deadline))
+                early = waiting
+                for req_id in holds.take_expired():
                     logger.warning("request %s: nobody pulled its KV; releasing it", req_id)
                     with self._lock:
                         self._sent.add(req_id)
                         self._stats.errors["expired"] = self._stats.errors.get("expired", 0) + 1
-                for req_id, waiting in list(early.items()):
-                    for identity, _, deadline in [w for w in waiting if w[2] < now]:
-                        waiting.remove((identity, _, deadline))
-                        reply = PullReply(False, f"no KV held for request {req_id}")
-                        router.send_multipart([identity, _encode(reply)])
-                    if not waiting:
-                        del early[req_id]
         finally:
             router.close(linger=0)
 
     def _send(
-        self,
-        router: zmq.Socket,
-        identity: bytes,
-        pull: PullRequest,
-        holds: dict[str, tuple[list[int], float]],
+        self, router: zmq.Socket, identity: bytes, pull: PullRequest, block_ids: list[int]
     ) -> None:
         started = time.perf_counter()
-        block_ids, _ = holds.pop(pull.request_id)
         error = None
         if pull.fingerprint != self.spec.fingerprint:
             error = "the engines' KV caches differ (model, dtype or block size)"
