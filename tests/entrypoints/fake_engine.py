@@ -80,6 +80,8 @@ class FakeAsyncLLM:
         self.removed_loras: list[int] = []
         self._jinja = ImmutableSandboxedEnvironment()
         self.reply: str | None = None
+        # What a KV connector would return on a finished request's output.
+        self.kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def dead_error(self) -> EngineDeadError:
@@ -212,6 +214,7 @@ class FakeAsyncLLM:
                     prompt_token_ids=ids,
                     outputs=outputs,
                     finished=last,
+                    kv_transfer_params=self.kv_transfer_params if last else None,
                 )
             self.finished.append(request_id)
         finally:
