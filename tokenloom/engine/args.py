@@ -186,3 +186,13 @@ def _check_kv_transfer(cache_config: CacheConfig, parallel_config: ParallelConfi
                 f"kv_transfer_config: the {connector.kv_connector} serves one engine core; "
                 f"{name} must be 1"
             )
+    if connector.kv_connector == "TcpConnector":
+        from tokenloom.kv_transfer.tcp import extra_config
+
+        extra_config(connector)  # its settings, checked before the weights load
+    elif connector.kv_connector_extra_config:
+        key = sorted(connector.kv_connector_extra_config)[0]
+        raise ValueError(
+            f"kv_transfer_config.kv_connector_extra_config.{key}: the {connector.kv_connector} "
+            "has no settings there (see --kv-offload-dir, --kv-offload-bytes)"
+        )
