@@ -296,3 +296,40 @@ def test_a_block_is_copied_before_the_forward_pass_overwrites_it(
     again.run()
     assert again.stats.num_hit_tokens == 15
     again.close()
+
+
+def test_the_fingerprint_names_the_weights_dtypes_and_layout(tmp_path: Path) -> None:
+    """Each of these makes another engine's KV mean something else: another fingerprint,
+    so its disk tier is not used (``tier.json``) and its blocks are never loaded."""
+    import os
+
+    from tokenloom.worker.kv_connector.spec import kv_cache_spec
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"weights")
+
+    def fingerprint(**changes: Any) -> str:
+        args: dict[str, Any] = {
+            "model_path": model,
+            "quantization": None,
+            "dtype": torch.bfloat16,
+            "kv_cache_dtype": torch.bfloat16,
+            "block_size": BLOCK,
+            "kv_caches": kv_caches(8),
+            **changes,
+        }
+        return kv_cache_spec(**args).fingerprint
+
+    base = fingerprint()
+    assert fingerprint(kv_caches=kv_caches(16)) == base  # the cache's size does not matter
+    others = [
+        fingerprint(kv_cache_dtype=torch.float32),
+        fingerprint(dtype=torch.float32),
+        fingerprint(quantization="q8_0"),
+        fingerprint(block_size=2 * BLOCK),
+        fingerprint(kv_caches=kv_caches(8)[:1]),
+    ]
+    model.write_bytes(b"other weights")
+    os.utime(model, ns=(1, 1))
+    others.append(fingerprint())
+    assert len({base, *others}) == len(others) + 1
