@@ -29,6 +29,26 @@ def _require(ok: bool, field: str, message: str) -> None:
         raise ValueError(f"{field} {message}")
 
 
+def _json_object(value: object, name: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """A JSON option's object (from its text, or already a dict), with every key one of
+    ``keys``; errors name the option and the key."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(str(k) for k in value if k not in keys)
+    if unknown:
+        raise ValueError(
+            f"{name}.{unknown[0]} is not a supported key (supported: {', '.join(keys)})"
+        )
+    return dict(value)
+
+
 # SpeculativeConfig comes before SchedulerConfig, whose speculative_config option
 # is parsed by it.
 SpeculativeMethod = Literal["ngram", "draft_model"]
@@ -107,17 +127,7 @@ class SpeculativeConfig:
         """
         if isinstance(config, SpeculativeConfig):
             return config
-        if not isinstance(config, dict):
-            raise ValueError(
-                f"speculative_config must be a dict (or JSON object), got {type(config).__name__}"
-            )
-        unknown = sorted(str(k) for k in config if k not in _SPECULATIVE_KEYS)
-        if unknown:
-            raise ValueError(
-                f"speculative_config.{unknown[0]} is not a supported key "
-                f"(supported: {', '.join(_SPECULATIVE_KEYS)})"
-            )
-        values: dict[str, Any] = dict(config)
+        values = _json_object(config, "speculative_config", _SPECULATIVE_KEYS)
         method: Any = values.get("method")
         model = values.get("model")
         if method is None:
@@ -158,13 +168,7 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
         """Parse ``--speculative-config`` (a JSON object)."""
-        import json
-
-        try:
-            config = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        return cls.from_dict(config)
+        return cls.from_dict(text)
 
 
 def _is_int(value: object) -> bool:
@@ -321,28 +325,11 @@ class KVTransferConfig:
         """``--kv-transfer-config``'s JSON text, vLLM's dict, or a KVTransferConfig."""
         if isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            import json
-
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(
-                f"kv_transfer_config must be a JSON object, got {type(value).__name__}"
-            )
-        unknown = sorted(str(k) for k in value if k not in _KV_TRANSFER_KEYS)
-        if unknown:
-            raise ValueError(
-                f"kv_transfer_config.{unknown[0]} is not a supported key "
-                f"(supported: {', '.join(_KV_TRANSFER_KEYS)})"
-            )
-        if "kv_connector" not in value:
+        values = _json_object(value, "kv_transfer_config", _KV_TRANSFER_KEYS)
+        if "kv_connector" not in values:
             raise ValueError(
                 f"kv_transfer_config.kv_connector is required ({', '.join(KV_CONNECTORS)})"
             )
-        values = dict(value)
         if values.get("kv_connector_extra_config") is None:
             values["kv_connector_extra_config"] = {}
         return cls(**values)
