@@ -101,9 +101,11 @@ class DisaggProxy:
             )
         except httpx.HTTPError as exc:
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            return self._fallback(f"prefill engine {url} failed ({reason})")
+            self._fallback(f"prefill engine {url} failed ({reason})")
+            return None
         if response.status_code >= 500:
-            return self._fallback(f"prefill engine {url} answered {response.status_code}")
+            self._fallback(f"prefill engine {url} answered {response.status_code}")
+            return None
         if response.status_code != 200:
             return Response(
                 response.content,
@@ -112,13 +114,13 @@ class DisaggProxy:
             )
         params = response.json().get("kv_transfer_params")
         if not isinstance(params, dict):
-            return self._fallback(f"prefill engine {url} returned no kv_transfer_params")
+            self._fallback(f"prefill engine {url} returned no kv_transfer_params")
+            return None
         return params
 
     def _fallback(self, reason: str) -> None:
         self.num_fallbacks += 1
         logger.warning("%s; the decode engine prefills the prompt itself", reason)
-        return None
 
     async def forward(self, path: str, request: Request) -> Response:
         try:
