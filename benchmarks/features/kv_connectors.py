@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -170,6 +171,13 @@ def median(values: list[float]) -> float:
 
 async def disk_tier(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     tier = Path(tempfile.mkdtemp(prefix="kv_tier_", dir=logs))
+    try:
+        return await _disk_tier(args, logs, tier)
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)
+
+
+async def _disk_tier(args: argparse.Namespace, logs: Path, tier: Path) -> dict[str, Any]:
     common = (
         f"{args.serve_args} --num-blocks {args.num_blocks} --max-model-len {args.doc_tokens + 128}"
     )
