@@ -74,12 +74,12 @@ from typing import TYPE_CHECKING
 from tokenloom.config import CacheConfig, LoRAConfig, SchedulerConfig
 from tokenloom.core.encoder_cache_manager import EncoderCacheManager
 from tokenloom.core.kv_cache.manager import KVCacheManager
+from tokenloom.core.sched.connector_state import ConnectorState
 from tokenloom.core.sched.encoder_inputs import (
     encoder_budgets,
     release_passed_encoder_inputs,
     schedule_encoder_inputs,
 )
-from tokenloom.core.sched.connector_state import ConnectorState
 from tokenloom.core.sched.interface import SchedulerInterface
 from tokenloom.core.sched.output import NewRequestData, SchedulerOutput
 from tokenloom.core.sched.request_queue import RequestQueue, create_request_queue
