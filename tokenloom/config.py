@@ -29,6 +29,26 @@ def _require(ok: bool, field: str, message: str) -> None:
         raise ValueError(f"{field} {message}")
 
 
+def _json_object(value: object, name: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """A JSON option's object (from its text, or already a dict), with every key one of
+    ``keys``; errors name the option and the key."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(str(k) for k in value if k not in keys)
+    if unknown:
+        raise ValueError(
+            f"{name}.{unknown[0]} is not a supported key (supported: {', '.join(keys)})"
+        )
+    return dict(value)
+
+
 # SpeculativeConfig comes before SchedulerConfig, whose speculative_config option
 # is parsed by it.
 SpeculativeMethod = Literal["ngram", "draft_model"]
@@ -107,17 +127,7 @@ class SpeculativeConfig:
         """
         if isinstance(config, SpeculativeConfig):
             return config
-        if not isinstance(config, dict):
-            raise ValueError(
-                f"speculative_config must be a dict (or JSON object), got {type(config).__name__}"
-            )
-        unknown = sorted(str(k) for k in config if k not in _SPECULATIVE_KEYS)
-        if unknown:
-            raise ValueError(
-                f"speculative_config.{unknown[0]} is not a supported key "
-                f"(supported: {', '.join(_SPECULATIVE_KEYS)})"
-            )
-        values: dict[str, Any] = dict(config)
+        values = _json_object(config, "speculative_config", _SPECULATIVE_KEYS)
         method: Any = values.get("method")
         model = values.get("model")
         if method is None:
@@ -158,13 +168,7 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
         """Parse ``--speculative-config`` (a JSON object)."""
-        import json
-
-        try:
-            config = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        return cls.from_dict(config)
+        return cls.from_dict(text)
 
 
 def _is_int(value: object) -> bool:
@@ -258,6 +262,100 @@ class SchedulerConfig:
         validate(self)
 
 
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+KV_ROLES: tuple[KVRole, ...] = get_args(KVRole)
+# The KV connectors tokenloom has (tokenloom.kv_transfer), by vLLM's key kv_connector.
+KV_CONNECTORS = ("OffloadingConnector", "TcpConnector")
+_KV_TRANSFER_KEYS = (
+    "kv_connector",
+    "kv_role",
+    "kv_connector_extra_config",
+    "kv_ip",
+    "kv_port",
+    "engine_id",
+)
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """A KV connector, configured with vLLM's ``--kv-transfer-config`` keys.
+
+    ``kv_connector``: ``OffloadingConnector`` (a disk tier, ``--kv-offload-dir``)
+    or ``TcpConnector`` (prefill/decode disaggregation). ``kv_role``:
+    ``kv_producer`` (a prefill engine: sends its KV), ``kv_consumer`` (a decode
+    engine: receives it) or ``kv_both``. ``kv_ip``/``kv_port``: where a
+    producer listens for the KV pulls of consumers (port 0: any free port);
+    ``engine_id`` names the engine in the ``kv_transfer_params`` it returns.
+    ``kv_connector_extra_config``: the connector's own settings
+    (docs/kv_connectors.md). Build it from user input with ``parse``, which
+    names any unknown or invalid key.
+    """
+
+    kv_connector: str
+    kv_role: KVRole = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    engine_id: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.kv_connector in KV_CONNECTORS,
+            "kv_transfer_config.kv_connector",
+            f"must be one of {', '.join(KV_CONNECTORS)}; got {self.kv_connector!r}",
+        )
+        _require(
+            self.kv_role in KV_ROLES,
+            "kv_transfer_config.kv_role",
+            f"must be one of {', '.join(KV_ROLES)}; got {self.kv_role!r}",
+        )
+        _require(
+            isinstance(self.kv_connector_extra_config, dict),
+            "kv_transfer_config.kv_connector_extra_config",
+            f"must be a JSON object, got {self.kv_connector_extra_config!r}",
+        )
+        _require(
+            isinstance(self.kv_ip, str) and bool(self.kv_ip),
+            "kv_transfer_config.kv_ip",
+            f"must be a host name or address, got {self.kv_ip!r}",
+        )
+        _require(
+            _is_int(self.kv_port) and 0 <= self.kv_port <= 65535,
+            "kv_transfer_config.kv_port",
+            f"must be a port number in [0, 65535], got {self.kv_port!r}",
+        )
+        _require(
+            self.engine_id is None or (isinstance(self.engine_id, str) and bool(self.engine_id)),
+            "kv_transfer_config.engine_id",
+            f"must be a non-empty string, got {self.engine_id!r}",
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.kv_connector, self.kv_role, self.kv_ip, self.kv_port, self.engine_id))
+
+    @classmethod
+    def parse(cls, value: object) -> KVTransferConfig:
+        """``--kv-transfer-config``'s JSON text, vLLM's dict, or a KVTransferConfig."""
+        if isinstance(value, KVTransferConfig):
+            return value
+        values = _json_object(value, "kv_transfer_config", _KV_TRANSFER_KEYS)
+        if "kv_connector" not in values:
+            raise ValueError(
+                f"kv_transfer_config.kv_connector is required ({', '.join(KV_CONNECTORS)})"
+            )
+        if values.get("kv_connector_extra_config") is None:
+            values["kv_connector_extra_config"] = {}
+        return cls(**values)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache shape and size.
@@ -297,9 +395,46 @@ class CacheConfig:
         arg="kv_cache_dtype",
         help="dtype of the KV cache (auto: the model's; bfloat16 for quantized weights)",
     )
+    # The KV cache beyond this engine's memory: a disk tier, or another engine's KV.
+    kv_transfer_config: KVTransferConfig | None = option(
+        None,
+        parse=KVTransferConfig.parse,
+        metavar="JSON",
+        help='a KV connector, vLLM\'s keys: {"kv_connector": "OffloadingConnector"} (a '
+        "persistent disk tier of KV blocks, see --kv-offload-dir) or "
+        '{"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": 14579} '
+        "(prefill/decode disaggregation: kv_producer prefills, kv_consumer decodes); "
+        "see docs/kv_connectors.md",
+    )
+    kv_offload_dir: str | None = option(
+        None,
+        help="directory of the disk tier: full KV blocks are written there and loaded "
+        "again instead of recomputed, across restarts (implies the OffloadingConnector)",
+    )
+    kv_offload_bytes: int = option(
+        16 * 2**30,
+        ge=1,
+        help="byte budget of the disk tier; the least recently used blocks go first",
+    )
 
     def __post_init__(self) -> None:
         validate(self)
+        connector = self.kv_transfer_config
+        if self.kv_offload_dir is not None and connector is None:
+            connector = KVTransferConfig("OffloadingConnector")
+            object.__setattr__(self, "kv_transfer_config", connector)
+        if connector is None:
+            return
+        offloading = connector.kv_connector == "OffloadingConnector"
+        if offloading and not self.kv_offload_dir:
+            raise ValueError(
+                "kv_offload_dir must name the disk tier's directory for the OffloadingConnector"
+            )
+        if not offloading and self.kv_offload_dir is not None:
+            raise ValueError(
+                f"kv_offload_dir is only used by the OffloadingConnector, not "
+                f"{connector.kv_connector}"
+            )
 
 
 @dataclass(frozen=True)

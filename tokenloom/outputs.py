@@ -8,7 +8,8 @@ third of a dataclass, and the scheduler builds one per running request per step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -51,6 +52,62 @@ class TokenLogprobs(msgspec.Struct):
     logprobs: list[float]
 
 
+class KVTransferStats(msgspec.Struct):
+    """What a KV connector did since the previous snapshot (deltas; see ``kv_transfer``).
+
+    The scheduler side counts the external store's lookups: ``num_queried_tokens``
+    (tokens of admitted requests looked up beyond the in-memory prefix hit),
+    ``num_hit_tokens`` (of them, tokens loaded instead of computed) and
+    ``num_recomputed_tokens`` (tokens that failed to load and were computed).
+    The worker side counts the bytes moved (``num_bytes``) and the ``seconds`` of each transfer,
+    per op (``load``/``save`` for the disk tier, ``recv``/``send`` between
+    engines), and ``errors`` by reason. ``tier_bytes``: the disk tier's size
+    now (None: no disk tier).
+    """
+
+    num_queried_tokens: int = 0
+    num_hit_tokens: int = 0
+    num_recomputed_tokens: int = 0
+    num_bytes: dict[str, int] = msgspec.field(default_factory=dict)
+    seconds: dict[str, list[float]] = msgspec.field(default_factory=dict)
+    errors: dict[str, int] = msgspec.field(default_factory=dict)
+    tier_bytes: int | None = None
+
+    def merge(self, other: KVTransferStats) -> None:
+        """Add ``other``'s counts to these (its ``tier_bytes`` wins when set)."""
+        self.num_queried_tokens += other.num_queried_tokens
+        self.num_hit_tokens += other.num_hit_tokens
+        self.num_recomputed_tokens += other.num_recomputed_tokens
+        for op, count in other.num_bytes.items():
+            self.num_bytes[op] = self.num_bytes.get(op, 0) + count
+        for op, seconds in other.seconds.items():
+            self.seconds.setdefault(op, []).extend(seconds)
+        for reason, count in other.errors.items():
+            self.errors[reason] = self.errors.get(reason, 0) + count
+        if other.tier_bytes is not None:
+            self.tier_bytes = other.tier_bytes
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker side of a KV connector reports after a step (vLLM's fields).
+
+    ``finished_recving``: requests whose asynchronous load ended (blocks that
+    failed are in ``invalid_block_ids``); ``finished_sending``: finished
+    requests whose blocks the connector held (``request_finished`` delayed
+    their free) and that may be freed now; ``invalid_block_ids``: blocks that
+    failed to load, which hold no valid KV and are recomputed.
+    ``kv_connector_worker_meta``: what the worker side tells its own scheduler
+    side (e.g. which blocks reached the disk tier).
+    """
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    kv_connector_stats: KVTransferStats | None = None
+    kv_connector_worker_meta: Any = None
+
+
 @dataclass
 class ModelRunnerOutput:
     """What one forward pass produced, indexed like ``req_ids``.
@@ -59,12 +116,14 @@ class ModelRunnerOutput:
     decoding it holds the accepted drafts plus one bonus token.
     ``logprobs[i]`` has one entry per sampled token when the request asked.
     ``req_id_to_index`` maps each id to its position in ``req_ids``.
+    ``kv_connector_output``: the KV connector's report (None without one).
     """
 
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 class StepStats(msgspec.Struct):
@@ -111,6 +170,8 @@ class SchedulerStats(msgspec.Struct):
     # A map of the KV cache, one byte per usable block (``KV_BLOCK_*``), sent
     # a few times a second at most (None in the other snapshots).
     kv_block_map: bytes | None = None
+    # The KV connector's counts since the previous snapshot (None: no connector).
+    kv_transfer_stats: KVTransferStats | None = None
 
 
 # States of a block in ``SchedulerStats.kv_block_map``.
@@ -129,6 +190,8 @@ class EngineCoreOutput(msgspec.Struct):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     new_logprobs: list[TokenLogprobs] | None = None
+    # Set on a finished request's output by a KV connector (vLLM's field).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -173,3 +236,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0
+    # What a KV connector returned for the request (prefill/decode disaggregation).
+    kv_transfer_params: dict[str, Any] | None = None

@@ -34,9 +34,12 @@ class RequestStatus(enum.IntEnum):
 
     ``WAITING_FOR_FSM``: waiting while its grammar compiles (structured
     outputs); the scheduler skips it until the grammar is ready, then it is
-    ``WAITING``. It comes first so the other values keep their numbers.
+    ``WAITING``. ``WAITING_FOR_REMOTE_KVS``: waiting, with its blocks, while a
+    KV connector loads its prefix (``tokenloom.kv_transfer``). Both come first
+    so the other values keep their numbers.
     """
 
+    WAITING_FOR_REMOTE_KVS = -1
     WAITING_FOR_FSM = 0
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -113,7 +116,7 @@ class Request:
         "num_cached_tokens", "sampling_params", "eos_token_id", "arrival_time", "priority",
         "stop_reason", "prompt_token_ids", "num_prompt_tokens", "num_preemptions", "max_tokens",
         "min_tokens", "block_hashes", "lora_request", "lora_int_id", "structured_output_request",
-        "mm_features", "mm_end", "tenant_weight",
+        "mm_features", "mm_end", "tenant_weight", "kv_transfer_params",
     )  # fmt: skip
 
     def __init__(
@@ -195,6 +198,11 @@ class Request:
             self.mm_features = check_features(mm_features, len(prompt_token_ids))
             self.mm_end = self.mm_features[-1].mm_position.end
         self.tenant_weight = tenant_weight
+        # For a KV connector (vLLM's field): e.g. where a remote prefill left its KV.
+        extra = sampling_params.extra_args
+        self.kv_transfer_params: dict | None = (
+            extra.get("kv_transfer_params") if extra is not None else None
+        )
 
     def set_structured_output_request(self, structured: StructuredOutputRequest) -> None:
         """Constrain this request: every sampled token must then advance the grammar."""

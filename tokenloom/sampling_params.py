@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from tokenloom.structured_output.params import StructuredOutputsParams
 
@@ -31,6 +32,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # vLLM's name: constrain the output to a JSON schema, regex, choice or grammar.
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's name: arguments for engine extensions; "kv_transfer_params" goes to the
+    # KV connector (prefill/decode disaggregation, see docs/kv_connectors.md).
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +89,14 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputsParams
         ):
             fail("structured_outputs", "must be a StructuredOutputsParams or None")
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, dict) or not all(
+                isinstance(k, str) for k in self.extra_args
+            ):
+                fail("extra_args", "must be a dict with string keys or None")
+            params = self.extra_args.get("kv_transfer_params")
+            if params is not None and not isinstance(params, dict):
+                fail("extra_args", "kv_transfer_params must be a JSON object")
 
 
 _FLOAT_FIELDS = (

@@ -18,6 +18,7 @@ from tokenloom.core.sched.fair_share import FairShare
 from tokenloom.core.sched.output import SchedulerOutput
 from tokenloom.core.sched.request_queue import FairRequestQueue
 from tokenloom.core.sched.scheduler import Scheduler
+from tokenloom.kv_transfer.base import KVConnectorBase
 from tokenloom.lora_request import LoRARequest
 from tokenloom.multimodal.inputs import MultiModalFeatureSpec
 from tokenloom.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
@@ -183,6 +184,7 @@ def make_scheduler(
     encoder_cache_size: int | None = None,
     enable_encoder_cache: bool = True,
     max_tokens_per_mm_item: int = 0,
+    kv_connector: KVConnectorBase | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -208,6 +210,7 @@ def make_scheduler(
         lora_config=lora_config,
         structured_output_manager=structured_output_manager,
         max_tokens_per_mm_item=max_tokens_per_mm_item,
+        kv_connector=kv_connector,
     )
 
 

@@ -92,7 +92,9 @@ def test_messages_say_what_is_allowed() -> None:
         EngineArgs(kv_cache_memory_fraction=2)
     with pytest.raises(ValueError, match=r"^num_blocks must be an integer >= 1 or None, got 0$"):
         EngineArgs(num_blocks=0)
-    with pytest.raises(ValueError, match=r"^policy must be one of \{fcfs, priority, fair\}, got 'lifo'"):
+    with pytest.raises(
+        ValueError, match=r"^policy must be one of \{fcfs, priority, fair\}, got 'lifo'"
+    ):
         EngineArgs(policy="lifo")
     # Built directly, a config names its own field.
     with pytest.raises(ValueError, match=r"^memory_fraction must be a number in \(0, 1\]"):
@@ -176,3 +178,79 @@ def test_served_model_name() -> None:
     assert EngineArgs().get_served_model_name() == DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct"
     assert EngineArgs(model="/a/b.gguf").get_served_model_name() == "/a/b.gguf"
     assert EngineArgs(model="/a/b.gguf", served_model_name="m").get_served_model_name() == "m"
+
+
+def test_kv_transfer_config_flags() -> None:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    ns = parser.parse_args(
+        [
+            "--kv-transfer-config",
+            '{"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": 0,'
+            ' "kv_connector_extra_config": {"send_timeout_s": 5}}',
+        ]
+    )
+    connector = EngineArgs.from_cli_args(ns).config.cache_config.kv_transfer_config
+    assert connector is not None and connector.kv_connector == "TcpConnector"
+    assert connector.is_producer and not connector.is_consumer and connector.kv_port == 0
+    assert connector.kv_connector_extra_config == {"send_timeout_s": 5}
+    # --kv-offload-dir alone means the disk tier.
+    ns = parser.parse_args(["--kv-offload-dir", "/tmp/t", "--kv-offload-bytes", "4096"])
+    cache = EngineArgs.from_cli_args(ns).config.cache_config
+    assert cache.kv_transfer_config is not None
+    assert cache.kv_transfer_config.kv_connector == "OffloadingConnector"
+    assert (cache.kv_offload_dir, cache.kv_offload_bytes) == ("/tmp/t", 4096)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kv_transfer_config": "{"}, "kv_transfer_config is not valid JSON"),
+        ({"kv_transfer_config": "[1]"}, "kv_transfer_config must be a JSON object"),
+        ({"kv_transfer_config": {}}, "kv_transfer_config.kv_connector is required"),
+        ({"kv_transfer_config": {"kv_connector": "X"}}, "kv_transfer_config.kv_connector"),
+        (
+            {"kv_transfer_config": {"kv_connector": "TcpConnector", "kv_role": "both"}},
+            "kv_transfer_config.kv_role",
+        ),
+        (
+            {"kv_transfer_config": {"kv_connector": "TcpConnector", "kv_port": 70000}},
+            "kv_transfer_config.kv_port",
+        ),
+        (
+            {"kv_transfer_config": {"kv_connector": "TcpConnector", "kv_buffer": 1}},
+            "kv_transfer_config.kv_buffer is not a supported key",
+        ),
+        (
+            {"kv_transfer_config": {"kv_connector": "OffloadingConnector"}},
+            "kv_offload_dir must name",
+        ),
+        (
+            {"kv_transfer_config": {"kv_connector": "TcpConnector"}, "kv_offload_dir": "/t"},
+            "kv_offload_dir is only used by the OffloadingConnector",
+        ),
+        (
+            {
+                "kv_transfer_config": {
+                    "kv_connector": "TcpConnector",
+                    "kv_connector_extra_config": {"transfer_timeout_s": 0},
+                }
+            },
+            "kv_connector_extra_config.transfer_timeout_s must be a number > 0",
+        ),
+        (
+            {
+                "kv_offload_dir": "/t",
+                "kv_transfer_config": {
+                    "kv_connector": "OffloadingConnector",
+                    "kv_connector_extra_config": {"size": 1},
+                },
+            },
+            "kv_connector_extra_config.size: the OffloadingConnector has no settings",
+        ),
+        ({"kv_offload_dir": "/t", "kv_offload_bytes": 0}, "kv_offload_bytes"),
+        ({"kv_offload_dir": "/t", "tensor_parallel_size": 2}, "tensor_parallel_size must be 1"),
+    ],
+)
+def test_kv_transfer_config_errors_name_the_field(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs)

@@ -83,6 +83,8 @@ class FakeAsyncLLM:
         self.reply: str | None = None
         # While set and not yet fired, requests wait (queued) before their first output.
         self.hold: asyncio.Event | None = None
+        # What a KV connector would return on a finished request's output.
+        self.kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def dead_error(self) -> EngineDeadError:
@@ -220,6 +222,7 @@ class FakeAsyncLLM:
                     prompt_token_ids=ids,
                     outputs=outputs,
                     finished=last,
+                    kv_transfer_params=self.kv_transfer_params if last else None,
                 )
             self.finished.append(request_id)
         finally:

@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenloom.metrics.prometheus import PrometheusStatLogger, token_count_buckets
 from tokenloom.metrics.stats import FinishedRequestStats, IterationStats, StatLogger
-from tokenloom.outputs import SchedulerStats
+from tokenloom.outputs import KVTransferStats, SchedulerStats
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -119,3 +119,27 @@ def test_structured_output_metrics() -> None:
     assert value(registry, "tokenloom:structured_output_grammar_cache_hits_total") == 64
     assert value(registry, "tokenloom:structured_output_compile_time_seconds_count") == 1
     assert value(registry, "tokenloom:structured_output_compile_time_seconds_sum") == 0.02
+
+
+def test_kv_connector_metrics() -> None:
+    registry = CollectorRegistry()
+    stat_logger = PrometheusStatLogger("m", registry)
+    for _ in range(2):
+        kv = KVTransferStats(
+            num_queried_tokens=64,
+            num_hit_tokens=48,
+            num_recomputed_tokens=16,
+            num_bytes={"load": 1000, "save": 3000},
+            seconds={"load": [0.002, 0.004]},
+            errors={"corrupt": 1},
+            tier_bytes=5000,
+        )
+        stat_logger.record(SchedulerStats(kv_transfer_stats=kv), None)
+    assert value(registry, "tokenloom:external_prefix_cache_queries_total") == 128
+    assert value(registry, "tokenloom:external_prefix_cache_hits_total") == 96
+    assert value(registry, "tokenloom:kv_transfer_recomputed_tokens_total") == 32
+    assert value(registry, "tokenloom:kv_transfer_bytes_total", op="load") == 2000
+    assert value(registry, "tokenloom:kv_transfer_bytes_total", op="save") == 6000
+    assert value(registry, "tokenloom:kv_transfer_seconds_count", op="load") == 4
+    assert value(registry, "tokenloom:kv_transfer_errors_total", reason="corrupt") == 2
+    assert value(registry, "tokenloom:kv_offload_disk_bytes") == 5000

@@ -102,9 +102,11 @@ class EngineArgs:
         _check_draft_model(scheduler_config)
         lora_config = build(LoRAConfig, values)
         frontend_config = build(FrontendConfig, values)
+        cache_config = build(CacheConfig, values)
+        _check_kv_transfer(cache_config, model_config.parallel_config)
         return EngineConfig(
             model_config=model_config,
-            cache_config=build(CacheConfig, values),
+            cache_config=cache_config,
             scheduler_config=scheduler_config,
             lora_config=lora_config if frontend_config.enable_lora else None,
             load_balance_config=build(DPLoadBalanceConfig, values),
@@ -171,3 +173,26 @@ def _check_draft_model(scheduler_config: SchedulerConfig) -> None:
         resolve_model_path(spec.model)
     except (OSError, ValueError) as exc:
         raise ValueError(f"speculative_config.model: {exc}") from None
+
+
+def _check_kv_transfer(cache_config: CacheConfig, parallel_config: ParallelConfig) -> None:
+    """A KV connector serves one engine core of one process (its tier or its port)."""
+    connector = cache_config.kv_transfer_config
+    if connector is None:
+        return
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        if getattr(parallel_config, name) > 1:
+            raise ValueError(
+                f"kv_transfer_config: the {connector.kv_connector} serves one engine core; "
+                f"{name} must be 1"
+            )
+    if connector.kv_connector == "TcpConnector":
+        from tokenloom.kv_transfer.tcp import extra_config
+
+        extra_config(connector)  # its settings, checked before the weights load
+    elif connector.kv_connector_extra_config:
+        key = sorted(connector.kv_connector_extra_config)[0]
+        raise ValueError(
+            f"kv_transfer_config.kv_connector_extra_config.{key}: the {connector.kv_connector} "
+            "has no settings there (see --kv-offload-dir, --kv-offload-bytes)"
+        )

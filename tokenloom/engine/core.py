@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
     from tokenloom.executor.multiproc import MultiprocExecutor
+    from tokenloom.kv_transfer.base import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,11 @@ class EngineCore:
     (``from_config`` gives one over the model's tokenizer); without one they
     are refused. Each step, the bitmask of the structured requests that sample
     is built here, between schedule and execute; unstructured steps skip it.
+
+    ``kv_connector``: the scheduler side of a KV connector (``from_config``
+    builds the one ``CacheConfig.kv_transfer_config`` names, beside the
+    runner's worker side); with one, the runner sees every step, so that
+    transfers finishing while nothing is scheduled are reported.
     """
 
     def __init__(
@@ -88,6 +94,7 @@ class EngineCore:
         structured_output_manager: StructuredOutputManager | None = None,
         engine_index: int = 0,
         data_parallel_size: int = 1,
+        kv_connector: KVConnectorBase | None = None,
     ) -> None:
         """``engine_index`` of ``data_parallel_size`` cores: names this core's trace file."""
         self.runner = runner
@@ -109,6 +116,7 @@ class EngineCore:
             structured_output_manager=structured_output_manager,
             # A vision-language model's runner says how large one image can be.
             max_tokens_per_mm_item=getattr(runner, "max_tokens_per_mm_item", 0),
+            kv_connector=kv_connector,
         )
         self._speculative = spec_config is not None
         # Requests scheduled but not yet reported: when they were first scheduled.
@@ -168,7 +176,15 @@ class EngineCore:
             runner.arch.vocab_size,
             runner.eos_token_ids,
         )
+        connector = None
         try:
+            if isinstance(runner, ModelRunner) and runner.kv_cache_spec is not None:
+                from tokenloom.kv_transfer.factory import create_connector
+
+                assert runner.kv_connector is not None
+                connector = create_connector(
+                    cache_config, runner.kv_cache_spec, runner.kv_connector.info
+                )
             core = cls(
                 runner,
                 cache_config,
@@ -177,11 +193,13 @@ class EngineCore:
                 structured_output_manager=structured,
                 engine_index=engine_index,
                 data_parallel_size=model_config.parallel_config.data_parallel_size,
+                kv_connector=connector,
             )
         except BaseException:
             structured.shutdown()
-            if isinstance(runner, MultiprocExecutor):
-                runner.shutdown()
+            if connector is not None:
+                connector.shutdown()
+            runner.shutdown()
             raise
         if isinstance(runner, MultiprocExecutor):
             core.executor = runner
@@ -265,6 +283,7 @@ class EngineCore:
             and not scheduler_output.finished_req_ids
             and not scheduler_output.preempted_req_ids
             and not scheduler_output.free_encoder_mm_hashes
+            and scheduler_output.kv_connector_metadata is None
         ):
             runner_output = _EMPTY_RUNNER_OUTPUT
         else:
@@ -310,3 +329,5 @@ class EngineCore:
             self.structured_output_manager.shutdown()
         if self.executor is not None:
             self.executor.shutdown()
+        elif (runner_shutdown := getattr(self.runner, "shutdown", None)) is not None:
+            runner_shutdown()

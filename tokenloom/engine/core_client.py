@@ -47,6 +47,9 @@ from tokenloom.engine.messages import (
 if TYPE_CHECKING:
     from tokenloom.engine.core import EngineCore
 
+# An in-process core whose step scheduled nothing waits this long before the next.
+_STALLED_SLEEP_S = 0.001
+
 
 class InprocClient:
     """An engine core in this process, called directly."""
@@ -73,7 +76,12 @@ class InprocClient:
         return self.core.reset_prefix_cache(reset_running_requests)
 
     def step(self) -> CoreOutputs | None:
-        return self.core.step()
+        result = self.core.step()
+        if result is not None and self.core.last_num_scheduled_tokens == 0:
+            # Requests wait (a grammar compiling, KV arriving): do not spin the CPU
+            # the compile or the transfer needs.
+            time.sleep(_STALLED_SLEEP_S)
+        return result
 
     def make_stats_output(self) -> CoreOutputs:
         return self.core.make_stats_output()

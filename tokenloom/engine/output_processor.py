@@ -78,6 +78,8 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
     into.outputs.sort(key=lambda c: c.index)
     into.finished = new.finished
     into.num_cached_tokens = new.num_cached_tokens
+    if new.kv_transfer_params is not None:
+        into.kv_transfer_params = new.kv_transfer_params
 
 
 @dataclass
@@ -118,6 +120,8 @@ class _SequenceState:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        # A KV connector's params for this completion (set on its last output).
+        self.kv_transfer_params: dict | None = None
         # What earlier delta outputs already carried.
         self.sent_text = 0
         self.sent_tokens = 0
@@ -139,6 +143,8 @@ class _SequenceState:
         if self.want_logprobs and output.new_logprobs:
             self.logprobs.extend(_logprob_dict(lp) for lp in output.new_logprobs)
         self.num_cached_tokens = output.num_cached_tokens
+        if output.kv_transfer_params is not None:
+            self.kv_transfer_params = output.kv_transfer_params
         # An EOS or stop token id that ended the sequence is not part of its text.
         ended_by_token = output.finish_reason == FinishReason.STOP and new_ids
         text_ids = new_ids[:-1] if ended_by_token and not self.include_stop else new_ids
@@ -240,6 +246,7 @@ class _ParentState:
             outputs=[s.completion(delta) for s in sequences],
             finished=self.finished,
             num_cached_tokens=self.sequences[0].num_cached_tokens,
+            kv_transfer_params=self.sequences[0].kv_transfer_params,
         )
 
 

@@ -1,4 +1,4 @@
-"""The ``tokenloom`` command: serve, generate, chat (and bench when installed).
+"""The ``tokenloom`` command: serve, generate, chat, disagg-proxy (and bench when installed).
 
 ``generate`` runs offline through ``LLM`` (one prompt, or a JSONL file with a
 progress bar); ``chat`` is an interactive loop on ``AsyncLLM`` that prints
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 def build_parser() -> argparse.ArgumentParser:
     from tokenloom.engine.args import EngineArgs
+    from tokenloom.entrypoints.disagg_proxy import add_proxy_args
     from tokenloom.entrypoints.openai.cli_args import add_serve_args
 
     parser = argparse.ArgumentParser(
@@ -67,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, default_max_tokens=512)
     EngineArgs.add_cli_args(chat)
     chat.set_defaults(func=_cmd_chat, seed=None)
+
+    proxy = subparsers.add_parser(
+        "disagg-proxy",
+        help="one OpenAI endpoint in front of a prefill and a decode engine "
+        "(prefill/decode disaggregation)",
+    )
+    add_proxy_args(proxy)
+    proxy.set_defaults(func=_cmd_disagg_proxy)
 
     from tokenloom.simulator.cli import register_simulate_command
 
@@ -133,6 +142,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         run_server(args)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; the engine is down
+        pass
+    return 0
+
+
+def _cmd_disagg_proxy(args: argparse.Namespace) -> int:
+    from tokenloom.entrypoints.disagg_proxy import run_proxy
+
+    try:
+        run_proxy(args)
+    except KeyboardInterrupt:
         pass
     return 0
 

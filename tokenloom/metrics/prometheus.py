@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tokenloom.metrics.kv_transfer import KVTransferMetrics
 from tokenloom.outputs import SchedulerStats
 
 if TYPE_CHECKING:
@@ -141,6 +142,7 @@ class PrometheusStatLogger:
             "Draft tokens accepted at each position of the drafts.",
             ("position",),
         )
+        self.kv_transfer = KVTransferMetrics(PREFIX, labels, reg)
         # Expose every finish reason from the start so rate() works on the first request.
         for engine in range(num_engines):
             self._expose(self._label_values(engine))
@@ -196,6 +198,8 @@ class PrometheusStatLogger:
             compile_time = self.grammar_compile_time.labels(*name)
             for seconds in scheduler_stats.grammar_compile_times:
                 compile_time.observe(seconds)
+            if scheduler_stats.kv_transfer_stats is not None:
+                self.kv_transfer.record(scheduler_stats.kv_transfer_stats, name)
         if iteration_stats is None:
             return
         if iteration_stats.num_engine_restarts:

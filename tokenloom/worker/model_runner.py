@@ -23,6 +23,7 @@ import torch
 
 from tokenloom.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from tokenloom.core.sched.output import SchedulerOutput
+from tokenloom.kv_transfer.base import KVCacheSpec
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.attention import AttentionMetadata
 from tokenloom.model.dtype import resolve_kv_cache_dtype
@@ -35,6 +36,7 @@ from tokenloom.structured_output.manager import GrammarOutput
 from tokenloom.worker.grammar_bitmask import apply_grammar_bitmask
 from tokenloom.worker.host_malloc import keep_freed_memory, release_freed_memory
 from tokenloom.worker.input_batch import InputBatch
+from tokenloom.worker.kv_connector.base import KVConnectorWorker
 from tokenloom.worker.multimodal import MultiModalRunner
 from tokenloom.worker.sampler import Sampler
 from tokenloom.worker.sampling_metadata import SamplingMetadata
@@ -56,7 +58,9 @@ class ModelRunner:
     ``model_loader.forward_plan``), ``arch``, ``dtype``, ``kv_cache_dtype``, ``device``,
     ``max_model_len``,
     ``num_blocks`` (including the reserved null block 0), ``kv_caches``, ``input_batch``,
-    ``eos_token_ids``.
+    ``eos_token_ids``; with a KV connector (``CacheConfig.kv_transfer_config``),
+    ``kv_connector`` (its worker side) and ``kv_cache_spec`` (what it needs to know
+    of the cache), else None.
 
     Unseeded random rows share one generator seeded with ``ModelConfig.seed``, so a
     run is reproducible given the same schedule; seeded requests have their own.
@@ -126,6 +130,23 @@ class ModelRunner:
         )
         if self.speculator is not None:
             self.speculator.allocate_kv_cache(self.num_blocks)
+        self.kv_cache_spec: KVCacheSpec | None = None
+        self.kv_connector: KVConnectorWorker | None = None
+        if cache_config.kv_transfer_config is not None:
+            from tokenloom.worker.kv_connector.factory import create_worker_connector
+            from tokenloom.worker.kv_connector.spec import kv_cache_spec
+
+            self.kv_cache_spec = kv_cache_spec(
+                self.model_path,
+                model_config.quantization,
+                self.dtype,
+                self.kv_cache_dtype,
+                self.block_size,
+                self.kv_caches,
+            )
+            self.kv_connector = create_worker_connector(
+                cache_config, self.kv_cache_spec, self.kv_caches
+            )
         self.input_batch = InputBatch(
             max_num_seqs=scheduler_config.max_num_seqs,
             max_model_len=self.max_model_len,
@@ -208,7 +229,27 @@ class ModelRunner:
         the scheduled requests (decodes first); ``sampled_token_ids`` is empty
         for a partial prefill. ``grammar_output`` (structured requests) masks
         the logits of its requests before sampling; other rows are untouched.
+        A KV connector's loads start before the step and its saves are queued
+        after it; its report is the output's ``kv_connector_output``.
         """
+        connector = self.kv_connector
+        if connector is None:
+            return self._execute_step(scheduler_output, grammar_output)
+        metadata = scheduler_output.kv_connector_metadata
+        connector.start_load_kv(scheduler_output, metadata)
+        output = self._execute_step(scheduler_output, grammar_output)
+        connector.save_kv(scheduler_output, metadata)
+        output.kv_connector_output = connector.get_finished()
+        return output
+
+    def shutdown(self) -> None:
+        """Stop the KV connector's threads and sockets (the rest goes with the process)."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+
+    def _execute_step(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput:
         started = time.perf_counter()
         speculator = self.speculator
         if speculator is not None:

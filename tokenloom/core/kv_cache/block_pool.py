@@ -87,6 +87,19 @@ class BlockPool:
             elif block.ref_cnt < 0:
                 raise RuntimeError(f"block {block.block_id} freed more often than allocated")
 
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Forget these blocks' hashes (a ``BlockRemoved`` each); they stay where they are."""
+        cached = self.cached
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is None:
+                continue
+            if cached.get(block_hash) is block:
+                del cached[block_hash]
+                if self.events is not None:
+                    self._record_removed(block_hash.digest)
+            block.block_hash = None
+
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
         """Register a full block under ``block_hash``; False if that prefix is already cached."""
         if self.cached.setdefault(block_hash, block) is not block:

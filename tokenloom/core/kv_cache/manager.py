@@ -7,7 +7,8 @@ cached, keyed by exact chained hashes (:mod:`tokenloom.core.kv_cache.hashing`).
 
 Beyond the contract: ``num_usable_blocks``, ``next_allocation_at()``,
 ``create_empty_block_list()``, ``check_integrity()`` (for tests and idle checks)
-and ``block_pool`` (read-only inspection).
+and ``block_pool`` (read-only inspection); for KV connectors, ``get_blocks()``,
+``allocate_slots(..., delay_cache_blocks=True)`` and ``drop_cached_blocks()``.
 
 A decoding request gives ``allocate_slots`` work (a new block, or a block
 filled and cached) only once a block, so a call with nothing to do is one dict
@@ -117,6 +118,11 @@ class KVCacheManager:
             return []
         return [block.block_id for block in state.blocks]
 
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """Every block the request holds, in order (empty when it holds none)."""
+        state = self._requests.get(request_id)
+        return KVCacheBlocks(state.blocks) if state is not None else EMPTY_BLOCKS
+
     def get_num_common_prefix_blocks(self, request_id: str) -> int:
         """Leading blocks of ``request_id`` held by every request that holds blocks."""
         state = self._requests.get(request_id)
@@ -162,6 +168,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` (+ lookahead) after the computed tokens.
 
@@ -170,7 +177,9 @@ class KVCacheManager:
         the newly allocated blocks (the shared empty instance when none were
         needed), or None when free blocks do not suffice, in which case nothing
         changed. Full blocks up to ``num_computed + num_new_tokens`` are cached
-        at once, so later lookups can hit them.
+        at once, so later lookups can hit them; with ``delay_cache_blocks`` (a
+        first allocation whose KV a connector loads) they are not, until
+        :meth:`cache_blocks` says they hold their KV.
         """
         state = self._requests.get(request.request_id)
         if state is None or not (
@@ -183,6 +192,7 @@ class KVCacheManager:
                 num_new_computed_tokens,
                 new_computed_blocks,
                 num_lookahead_tokens,
+                delay_cache_blocks,
             )
         # Hot path: a running request whose tokens fit its blocks and fill no block.
         end = request.num_computed_tokens + num_new_tokens
@@ -247,6 +257,7 @@ class KVCacheManager:
         num_new_computed_tokens: int,
         new_computed_blocks: KVCacheBlocks | None,
         num_lookahead_tokens: int,
+        delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
         """First allocation of a new or resumed request, possibly on top of a prefix hit."""
         block_size = self.block_size
@@ -295,7 +306,7 @@ class KVCacheManager:
             state.blocks.extend(new_blocks)
         state.capacity = len(state.blocks) * block_size
 
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             self._cache_full_blocks(
                 request, state, min(num_computed + num_new_tokens, request.num_tokens)
             )
@@ -366,6 +377,11 @@ class KVCacheManager:
                 )
             )
             start = k
+
+    def drop_cached_blocks(self, block_ids: set[int]) -> None:
+        """Take these blocks out of the prefix cache (their KV failed to load): no
+        later lookup hits them; whoever holds them keeps them."""
+        self.block_pool.uncache([self.block_pool.blocks[i] for i in sorted(block_ids)])
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its last blocks are evicted first."""

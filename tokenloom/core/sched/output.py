@@ -7,6 +7,7 @@ arrive whole, running ones carry only what changed since the last step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenloom.lora_request import LoRARequest
 from tokenloom.multimodal.inputs import MultiModalFeatureSpec
@@ -73,3 +74,5 @@ class SchedulerOutput:
     # at most once in a step), and identifiers whose encoder outputs it may drop.
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    # What the KV connector's worker side loads and saves this step (None: no connector).
+    kv_connector_metadata: Any = None

@@ -62,6 +62,12 @@ Other choices worth knowing:
   step's budget; and one waiting request per step may take the seat of a
   tenant holding more than its share of the batch (that tenant's latest
   request is preempted, in the same step, and not resumed in it).
+* With a KV connector (``kv_connector``, see ``tokenloom.kv_transfer.base``)
+  a waiting request may find more of its prefix in the connector's store:
+  loaded asynchronously, it waits as ``WAITING_FOR_REMOTE_KVS`` with its
+  blocks, skipped by admission (keeping its place) until the load ends. A
+  finished request's blocks may stay held while the connector saves or sends
+  them. ``connector_state.py`` keeps that bookkeeping.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ from typing import TYPE_CHECKING
 from tokenloom.config import CacheConfig, LoRAConfig, SchedulerConfig
 from tokenloom.core.encoder_cache_manager import EncoderCacheManager
 from tokenloom.core.kv_cache.manager import KVCacheManager
+from tokenloom.core.sched.connector_state import ConnectorState
 from tokenloom.core.sched.encoder_inputs import (
     encoder_budgets,
     release_passed_encoder_inputs,
@@ -98,6 +105,8 @@ from tokenloom.outputs import (
 from tokenloom.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from tokenloom.core.kv_cache.block import KVCacheBlocks
+    from tokenloom.kv_transfer.base import KVConnectorBase
     from tokenloom.structured_output.manager import GrammarOutput, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -106,6 +115,7 @@ _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
 _WAITING_FOR_FSM = RequestStatus.WAITING_FOR_FSM
 _PREEMPTED = RequestStatus.PREEMPTED
+_WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
 class Scheduler(SchedulerInterface):
@@ -121,12 +131,14 @@ class Scheduler(SchedulerInterface):
         lora_config: LoRAConfig | None = None,
         structured_output_manager: StructuredOutputManager | None = None,
         max_tokens_per_mm_item: int = 0,
+        kv_connector: KVConnectorBase | None = None,
     ) -> None:
         """``lora_config``: at most ``max_loras`` distinct LoRA adapters among the
         running requests (so in any step); a waiting request whose adapter would
         exceed that waits, and requests behind it may go first (vLLM's rule).
         ``max_tokens_per_mm_item``: the most placeholder tokens one image of the
-        model can have (0: text only); the encoder budgets are raised to it."""
+        model can have (0: text only); the encoder budgets are raised to it.
+        ``kv_connector``: the scheduler side of a KV connector, or None."""
         if cache_config.num_blocks is None:
             raise ValueError(
                 "num_blocks must be set in CacheConfig before building the Scheduler "
@@ -202,6 +214,9 @@ class Scheduler(SchedulerInterface):
         # fast path skips reading mm_end.
         self._mm_seen = False
 
+        self.connector = kv_connector
+        self._kv = ConnectorState(kv_connector, self.kv_cache_manager) if kv_connector else None
+
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: Request) -> None:
@@ -246,12 +261,16 @@ class Scheduler(SchedulerInterface):
             self._forget(req_id, request.status == _RUNNING)
             if request.status == _RUNNING:
                 running_gone.add(request)
-                self.kv_cache_manager.free(request)
             else:
                 waiting_gone.append(request)
             if request.mm_features:
                 self.encoder_cache_manager.free(request)
             request.status = finished_status
+            # A waiting request holds blocks after (or during) a KV connector's load.
+            if self._kv is not None:
+                self._kv.finish(request)
+            else:
+                self.kv_cache_manager.free(request)
             request.spec_token_ids = []
             self.finished_req_ids.add(req_id)
             self._finished_outside.append((request.client_index, req_id))
@@ -284,6 +303,15 @@ class Scheduler(SchedulerInterface):
 
     def has_finished_requests(self) -> bool:
         return bool(self.finished_req_ids) or bool(self._ignored)
+
+    def has_requests(self) -> bool:
+        """Also true while a KV connector still moves blocks: the engine keeps stepping."""
+        if self._kv is not None and self._kv.has_pending():
+            return True
+        return super().has_requests()
+
+    def get_kv_connector(self) -> KVConnectorBase | None:
+        return self.connector
 
     # ------------------------------------------------------------------ schedule
 
@@ -453,6 +481,8 @@ class Scheduler(SchedulerInterface):
         output = step.build(num_common, preempted_ids, finished)
         if freed:
             output.free_encoder_mm_hashes = freed
+        if self._kv is not None:
+            output.kv_connector_metadata = self._kv.connector.build_connector_meta(output)
         return output
 
     def _settle_orphans(
@@ -516,6 +546,7 @@ class Scheduler(SchedulerInterface):
         fair = self._fair
         num_running = len(running)  # requests admitted by this call come after these
         reclaimed = False
+        kv = self._kv
         skipped: list[Request] = []
         while waiting and step.token_budget > 0:
             request = waiting.peek()
@@ -524,6 +555,11 @@ class Scheduler(SchedulerInterface):
             seats_full = len(running) >= config.max_num_seqs
             if seats_full and (reclaimed or fair is None):
                 break
+            if request.status == _WAITING_FOR_REMOTE_KVS:
+                assert kv is not None
+                if not kv.ready(request):  # still loading: it keeps its place
+                    skipped.append(waiting.pop())
+                    continue
             if request.status == _WAITING_FOR_FSM:
                 ready = self._grammar_ready(request)
                 if ready is None:  # the grammar failed to compile
@@ -547,13 +583,26 @@ class Scheduler(SchedulerInterface):
                 reclaimed = True
                 num_running -= 1
                 continue
-            if caching:
+            # Only a request whose KV a connector loaded arrives with computed tokens.
+            num_loaded = request.num_computed_tokens
+            if num_loaded:
+                computed_blocks, num_cached = None, num_loaded
+            elif caching:
                 computed_blocks, num_cached = manager.get_computed_blocks(request)
             else:
                 computed_blocks, num_cached = None, 0
+            num_external, load_async = 0, False
+            if kv is not None and not num_loaded:
+                matched = kv.match(request, num_cached)
+                if matched is None:  # the connector cannot tell yet
+                    skipped.append(waiting.pop())
+                    continue
+                num_external, load_async = matched
             num_tokens = request.num_tokens
-            num_new = num_tokens - num_cached
-            if chunked:
+            num_new = num_tokens - num_cached - num_external
+            if load_async:
+                num_new = 0
+            elif chunked:
                 num_new = min(num_new, self._chunk_cap, step.token_budget)
                 if tenant_caps is not None:
                     num_new = min(num_new, tenant_caps.get(request.tenant, num_new))
@@ -563,18 +612,33 @@ class Scheduler(SchedulerInterface):
                 continue
             elif num_new > step.token_budget:
                 break
+            # Tokens this step does not compute: the prefix hit and what the connector loads.
+            start = num_cached + num_external
             encoder_inputs: list[int] = []
             encoder_tokens = 0
-            if num_cached < request.mm_end:
+            if not load_async and start < request.mm_end:
                 encoder_inputs, num_new, encoder_tokens = schedule_encoder_inputs(
-                    request, num_cached, num_new, step.encoder_budget, self.encoder_cache_manager
+                    request, start, num_new, step.encoder_budget, self.encoder_cache_manager
                 )
                 if num_new <= 0:
                     # Its next item cannot be encoded this step: it waits in front,
                     # holding no encoder output meanwhile.
                     self.encoder_cache_manager.free(request)
                     break
-            if manager.allocate_slots(request, num_new, num_cached, computed_blocks) is None:
+            if kv is None:
+                allocated = (
+                    manager.allocate_slots(request, num_new, num_cached, computed_blocks)
+                    is not None
+                )
+            else:
+                allocated = self._allocate_with_connector(
+                    request,
+                    num_new + num_external,
+                    num_cached - num_loaded,
+                    computed_blocks,
+                    load_async,
+                )
+            if not allocated:
                 if request.mm_features:
                     self.encoder_cache_manager.free(request)
                 if reclaimed or not self._reclaim(
@@ -584,6 +648,15 @@ class Scheduler(SchedulerInterface):
                 reclaimed = True
                 num_running -= 1
                 continue  # the freed blocks may hold a prefix it would have hit: look again
+            if kv is not None and not num_loaded:
+                kv.after_alloc(request, num_cached, num_external, load_async)
+            if caching and not num_loaded:
+                self._prefix_queries += num_tokens
+                self._prefix_hits += num_cached
+            if load_async:  # it waits, with its blocks, while the connector loads
+                skipped.append(waiting.pop())
+                continue
+            num_cached = start
             if num_cached < request.mm_end:
                 self._claim_encoder_inputs(step, request, encoder_inputs, encoder_tokens)
                 mm_scheduled.append(request)
@@ -594,9 +667,6 @@ class Scheduler(SchedulerInterface):
             if lora_id:
                 adapters.add(lora_id)
             req_id = request.request_id
-            if caching:
-                self._prefix_queries += num_tokens
-                self._prefix_hits += num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             if request.status == _WAITING:
@@ -626,6 +696,34 @@ class Scheduler(SchedulerInterface):
             request.num_computed_tokens = num_cached + num_new
         for request in reversed(skipped):
             waiting.prepend(request)
+
+    def _allocate_with_connector(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        computed_blocks: KVCacheBlocks | None,
+        load_async: bool,
+    ) -> bool:
+        """``allocate_slots`` for an admission with a KV connector. Waiting requests
+        hold blocks (loading or loaded): when the blocks run out with nothing
+        running, the loaded blocks of other waiting requests are given back (they
+        are asked for again when their turn comes), so such requests never wait
+        on each other forever."""
+        assert self._kv is not None
+        manager = self.kv_cache_manager
+        while True:
+            blocks = manager.allocate_slots(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                computed_blocks,
+                delay_cache_blocks=load_async,
+            )
+            if blocks is not None:
+                return True
+            if self.running or not self._kv.reclaim(self.waiting, request):
+                return False
 
     @staticmethod
     def _grammar_ready(request: Request) -> bool | None:
@@ -778,9 +876,16 @@ class Scheduler(SchedulerInterface):
         """Append each request's sampled tokens, up to its first stop.
 
         Requests finished, aborted or preempted since ``schedule()`` are skipped.
-        Finished requests free their blocks at once and leave ``requests``;
-        their ids go out in the next ``SchedulerOutput.finished_req_ids``.
+        Finished requests free their blocks at once (unless a KV connector holds
+        them) and leave ``requests``; their ids go out in the next
+        ``SchedulerOutput.finished_req_ids``. A running request that computed on
+        blocks which failed to load is preempted, its tokens of the step dropped.
         """
+        kv_output = model_runner_output.kv_connector_output
+        if kv_output is not None and self._kv is not None:
+            for victim in self._kv.before_output(kv_output, self.running, self.waiting):
+                self._preempted_outside.add(victim.request_id)
+                self._preempt(self.running.index(victim))
         requests = self.requests
         get_request = requests.get
         logprobs_all = model_runner_output.logprobs
@@ -792,7 +897,7 @@ class Scheduler(SchedulerInterface):
         per_client: dict[int, list[EngineCoreOutput]] = {}
         client = -1
         client_outputs: list[EngineCoreOutput] = []
-        finished: list[Request] = []
+        finished: list[tuple[Request, EngineCoreOutput]] = []
         req_ids = model_runner_output.req_ids
         # Without logprobs (the common case) a run of Nones rides along in the zip.
         logprobs_iter = repeat(None, len(req_ids)) if logprobs_all is None else logprobs_all
@@ -827,33 +932,38 @@ class Scheduler(SchedulerInterface):
                     )
                 )
             else:
-                finished.append(request)
                 if logprobs is not None and len(logprobs) > len(kept):
                     logprobs = logprobs[: len(kept)]
-                client_outputs.append(
-                    EngineCoreOutput(
-                        req_id,
-                        kept,
-                        request.get_finished_reason(),
-                        request.stop_reason,
-                        request.num_cached_tokens,
-                        logprobs,
-                    )
+                last = EngineCoreOutput(
+                    req_id,
+                    kept,
+                    request.get_finished_reason(),
+                    request.stop_reason,
+                    request.num_cached_tokens,
+                    logprobs,
                 )
+                client_outputs.append(last)
+                finished.append((request, last))
 
         finished_ids: dict[int, set[str]] = {}
         if finished:
             free = self.kv_cache_manager.free
-            for request in finished:
-                free(request)
+            kv = self._kv
+            for request, last in finished:
+                if kv is None:
+                    free(request)
+                else:
+                    last.kv_transfer_params = kv.finish(request)
                 if request.mm_features:
                     self.encoder_cache_manager.free(request)
                 req_id = request.request_id
                 self._forget(req_id, running=True)
                 self.finished_req_ids.add(req_id)
                 finished_ids.setdefault(request.client_index, set()).add(req_id)
-            gone = set(finished)
+            gone = {request for request, _ in finished}
             self.running = [r for r in self.running if r not in gone]
+        if kv_output is not None and self._kv is not None:
+            self._kv.after_output(kv_output)
 
         if self._ignored:
             for request in self._ignored:
@@ -915,6 +1025,8 @@ class Scheduler(SchedulerInterface):
         )
         self._prefix_queries = self._prefix_hits = self._num_preemptions = 0
         self._spec_stats = None
+        if self._kv is not None:
+            stats.kv_transfer_stats = self._kv.take_stats()
         if self.structured_output_manager is not None:
             grammar_stats = self.structured_output_manager.make_stats()
             stats.num_structured_requests = grammar_stats.num_requests
@@ -923,4 +1035,6 @@ class Scheduler(SchedulerInterface):
         return stats
 
     def shutdown(self) -> None:
-        """Nothing to release: the scheduler owns no threads, files or devices."""
+        """The scheduler owns no threads, files or devices; its KV connector may."""
+        if self.connector is not None:
+            self.connector.shutdown()

@@ -146,6 +146,8 @@ class _SamplingRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's field: for a KV connector (prefill/decode disaggregation, docs/kv_connectors.md).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -235,6 +237,11 @@ class _SamplingRequest(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.output_constraint()[0],
+            extra_args=(
+                None
+                if self.kv_transfer_params is None
+                else {"kv_transfer_params": self.kv_transfer_params}
+            ),
             **fields,
         )
 
@@ -477,6 +484,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # Set by a KV connector (a prefill engine: where its KV waits); left out otherwise.
+    kv_transfer_params: dict[str, Any] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatTopLogprob(BaseModel):
@@ -518,6 +527,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    # Set by a KV connector (a prefill engine: where its KV waits); left out otherwise.
+    kv_transfer_params: dict[str, Any] | None = Field(default=None, exclude_if=_is_none)
 
 
 class DeltaMessage(BaseModel):

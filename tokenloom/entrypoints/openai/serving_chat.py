@@ -227,6 +227,7 @@ class OpenAIServingChat:
             model=self.serving.model_name,
             choices=choices,
             usage=UsageInfo.of(len(final.prompt_token_ids), completion_tokens),
+            kv_transfer_params=final.kv_transfer_params,
         )
 
     async def _stream(

@@ -116,6 +116,8 @@ class OpenAIServingCompletion:
             model=self.serving.model_name,
             choices=choices,
             usage=UsageInfo.of(prompt_tokens, completion_tokens),
+            # One prompt's (a prefill engine's answer to a disaggregation proxy).
+            kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None,
         )
 
     async def _stream(

@@ -1,0 +1,246 @@
+"""``OffloadingConnector``, worker side: writes and reads the disk tier's block files.
+
+Two background threads, so the step never waits on the disk: the saver
+copies the blocks a step asked to save out of the KV cache (one batched
+gather) and writes one file each, through a temporary file and a rename; the
+loader reads a request's files, checks each (``block_file.check``) and copies
+the good ones into the request's blocks (one batched scatter), stopping at
+the first bad one. A bad file (corrupt, truncated, written for another
+model, gone) is logged, counted, deleted and its block reported invalid, so
+the scheduler recomputes it; a full disk fails the save, and the index
+shrinks its budget.
+
+The forward pass must not overwrite a block the saver has not copied yet
+(a block freed and handed to another request): ``start_load_kv`` waits for
+those copies, which are short, never for the disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenloom.core.sched.output import SchedulerOutput
+from tokenloom.kv_transfer.base import KVCacheSpec
+from tokenloom.kv_transfer.block_file import (
+    HEADER_BYTES,
+    TMP_DIR,
+    block_path,
+    check,
+    file_bytes,
+    header,
+)
+from tokenloom.kv_transfer.offloading import OffloadFeedback, OffloadMeta
+from tokenloom.outputs import KVConnectorOutput, KVTransferStats
+from tokenloom.worker.kv_connector.base import KVConnectorWorker, blocks_written
+from tokenloom.worker.kv_connector.block_io import KVBlockIO
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class OffloadingWorker(KVConnectorWorker):
+    def __init__(
+        self, spec: KVCacheSpec, root: str, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        self.spec = spec
+        self.root = Path(root)
+        self.io = KVBlockIO(kv_caches)
+        if self.io.block_bytes != spec.bytes_per_block:
+            raise ValueError("the KV cache spec does not match the KV cache tensors")
+        self._file_bytes = file_bytes(spec)
+        self._lock = threading.Condition()
+        # Blocks queued for saving, not yet copied out of the KV cache.
+        self._uncopied: dict[int, int] = {}
+        self._recving: set[str] = set()
+        self._invalid: set[int] = set()
+        self._feedback = OffloadFeedback()
+        self._stats = KVTransferStats()
+        self._dirs: set[Path] = set()
+        self._saves: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._loads: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._run, args=(self._saves,), name="kv-save", daemon=True),
+            threading.Thread(target=self._run, args=(self._loads,), name="kv-load", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------------ the step
+
+    def start_load_kv(self, scheduler_output: SchedulerOutput, metadata: Any) -> None:
+        if not isinstance(metadata, OffloadMeta):
+            return
+        with self._lock:
+            if self._uncopied:
+                written = blocks_written(scheduler_output, self.spec.block_size)
+                while not written.isdisjoint(self._uncopied):
+                    self._lock.wait()
+        if metadata.deletes:
+            self._saves.put((self._delete, metadata.deletes))
+        for req_id, pairs in metadata.loads.items():
+            self._loads.put((self._load, req_id, pairs))
+
+    def save_kv(self, scheduler_output: SchedulerOutput, metadata: Any) -> None:
+        if not isinstance(metadata, OffloadMeta) or not metadata.saves:
+            return
+        with self._lock:
+            for block_id, _ in metadata.saves:
+                self._uncopied[block_id] = self._uncopied.get(block_id, 0) + 1
+        self._saves.put((self._save, metadata.saves))
+
+    def get_finished(self) -> KVConnectorOutput:
+        with self._lock:
+            output = KVConnectorOutput(
+                finished_recving=self._recving,
+                invalid_block_ids=self._invalid,
+                kv_connector_stats=self._stats,
+                kv_connector_worker_meta=self._feedback,
+            )
+            self._recving, self._invalid = set(), set()
+            self._feedback, self._stats = OffloadFeedback(), KVTransferStats()
+        return output
+
+    def shutdown(self) -> None:
+        for jobs in (self._saves, self._loads):
+            jobs.put(_STOP)
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ threads
+
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue[Any]) -> None:
+        while True:
+            job = jobs.get()
+            if job is _STOP:
+                return
+            try:
+                job[0](*job[1:])
+            except Exception:  # a bug here must not kill the thread (and hang the engine)
+                logger.exception("disk KV tier job failed")
+
+    def _save(self, pairs: list[tuple[int, str]]) -> None:
+        started = time.perf_counter()
+        block_ids = [block_id for block_id, _ in pairs]
+        try:
+            data = self.io.gather(block_ids).numpy()
+        finally:
+            with self._lock:
+                for block_id in block_ids:
+                    count = self._uncopied[block_id] - 1
+                    if count:
+                        self._uncopied[block_id] = count
+                    else:
+                        del self._uncopied[block_id]
+                self._lock.notify_all()
+        saved: list[str] = []
+        failed: list[str] = []
+        disk_full = False
+        errors: dict[str, int] = {}
+        for j, (_, key) in enumerate(pairs):
+            if disk_full:
+                failed.append(key)
+                continue
+            try:
+                self._write(key, data[j])
+            except OSError as exc:
+                disk_full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                reason = "disk_full" if disk_full else "write_error"
+                errors[reason] = errors.get(reason, 0) + 1
+                logger.warning("disk KV tier: cannot write block %s: %s", key, exc)
+                failed.append(key)
+            else:
+                saved.append(key)
+        with self._lock:
+            feedback = self._feedback
+            feedback.saved.extend(saved)
+            feedback.failed.extend(failed)
+            feedback.disk_full |= disk_full
+            stats = self._stats
+            stats.num_bytes["save"] = stats.num_bytes.get("save", 0) + len(saved) * self._file_bytes
+            stats.seconds.setdefault("save", []).append(time.perf_counter() - started)
+            for reason, count in errors.items():
+                stats.errors[reason] = stats.errors.get(reason, 0) + count
+
+    def _write(self, key: str, payload: Any) -> None:
+        final = block_path(self.root, key)
+        if final.parent not in self._dirs:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            self._dirs.add(final.parent)
+        tmp = self.root / TMP_DIR / f"{key}.{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header(self.spec, key, payload))
+                f.write(payload)
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _delete(self, keys: list[str]) -> None:
+        for key in keys:
+            block_path(self.root, key).unlink(missing_ok=True)
+
+    def _load(self, req_id: str, pairs: list[tuple[int, str]]) -> None:
+        started = time.perf_counter()
+        data = torch.empty((len(pairs), self.io.block_bytes), dtype=torch.uint8)
+        rows = data.numpy()
+        num_good = 0
+        bad: list[str] = []
+        errors: dict[str, int] = {}
+        for j, (_, key) in enumerate(pairs):
+            path = block_path(self.root, key)
+            reason = self._read(path, key, rows[j])
+            if reason is not None:
+                logger.warning(
+                    "disk KV tier: block file %s is %s; the block is recomputed", path, reason
+                )
+                errors[reason] = errors.get(reason, 0) + 1
+                bad.append(key)
+                path.unlink(missing_ok=True)
+                break
+            num_good += 1
+        block_ids = [block_id for block_id, _ in pairs]
+        if num_good:
+            self.io.scatter(block_ids[:num_good], data[:num_good])
+        with self._lock:
+            self._recving.add(req_id)
+            self._invalid.update(block_ids[num_good:])
+            self._feedback.bad.extend(bad)
+            stats = self._stats
+            stats.num_bytes["load"] = stats.num_bytes.get("load", 0) + num_good * self._file_bytes
+            stats.seconds.setdefault("load", []).append(time.perf_counter() - started)
+            for reason, count in errors.items():
+                stats.errors[reason] = stats.errors.get(reason, 0) + count
+
+    def _read(self, path: Path, key: str, row: Any) -> str | None:
+        """Read block ``key``'s file into ``row``; None if it is good, else why not."""
+        try:
+            with open(path, "rb", buffering=0) as f:
+                head = f.read(HEADER_BYTES)
+                view = memoryview(row)
+                size = 0
+                while size < len(view):
+                    n = f.readinto(view[size:])
+                    if not n:
+                        break
+                    size += n
+                extra = len(f.read(1))
+            # Loaded blocks count as used: the LRU order survives restarts.
+            os.utime(path)
+        except FileNotFoundError:
+            return "missing"
+        except OSError as exc:
+            logger.warning("disk KV tier: cannot read %s: %s", path, exc)
+            return "read_error"
+        return check(self.spec, key, head, view[:size], len(head) + size + extra)
