@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from tokenloom.options import option, validate
+from tokenloom.pooling.config import PoolerConfig
 from tokenloom.reasoning import reasoning_parser_names
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -356,6 +357,20 @@ class ModelConfig:
         help="run on quantized weights: gguf (a .gguf file's own, the default for GGUF "
         "files unless --dtype names a float type), int8 or int4 (quantize a float "
         "checkpoint at load time)",
+    )
+    runner: Literal["auto", "generate", "pooling"] = option(
+        "auto",
+        help="generate tokens, or pool the final hidden states into embeddings (pooling, "
+        "/v1/embeddings); auto: generate, as every supported architecture is a causal LM",
+    )
+    # Completed for the model by the engine set-up (``pooling.config.resolve_pooler_config``).
+    pooler_config: PoolerConfig | None = option(
+        None,
+        parse=PoolerConfig.parse,
+        metavar="JSON",
+        help='pooling as JSON, vLLM\'s keys: {"pooling_type": "LAST", "normalize": true} '
+        "(pooling_type LAST, MEAN or CLS; optional dimensions for Matryoshka models); "
+        "default: the model's Sentence-Transformers files, else LAST and normalize",
     )
 
     def __post_init__(self) -> None:

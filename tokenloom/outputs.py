@@ -8,7 +8,10 @@ third of a dataclass, and the scheduler builds one per running request per step.
 
 from __future__ import annotations
 
+import array
+import sys
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import msgspec
 
@@ -59,12 +62,16 @@ class ModelRunnerOutput:
     decoding it holds the accepted drafts plus one bonus token.
     ``logprobs[i]`` has one entry per sampled token when the request asked.
     ``req_id_to_index`` maps each id to its position in ``req_ids``.
+    ``pooler_output`` (a pooling runner only; None otherwise): for each request,
+    its pooled vector as little-endian float32 bytes in the step that computed
+    its last prompt token, else None.
     """
 
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None
+    pooler_output: list[bytes | None] | None = None
 
 
 class StepStats(msgspec.Struct):
@@ -120,8 +127,12 @@ KV_BLOCK_USED = 2  # held by one request
 KV_BLOCK_SHARED = 3  # held by several requests (a shared prefix)
 
 
-class EngineCoreOutput(msgspec.Struct):
-    """New tokens of one request from one step."""
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
+    """New tokens of one request from one step, or a pooling request's pooled vector
+    (``pooling_output``: little-endian float32 bytes, with its finish).
+
+    Fields at their defaults are left out of the encoding: most of a decode
+    step's outputs carry one token and nothing else."""
 
     request_id: str
     new_token_ids: list[int]
@@ -129,6 +140,7 @@ class EngineCoreOutput(msgspec.Struct):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     new_logprobs: list[TokenLogprobs] | None = None
+    pooling_output: bytes | None = None
 
     @property
     def finished(self) -> bool:
@@ -173,3 +185,63 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0
+
+
+@dataclass
+class PoolingOutput:
+    """A pooled vector of one prompt: ``raw`` holds it as little-endian float32 bytes
+    (as the engine sends it, what a base64 response carries), ``data`` as floats."""
+
+    raw: bytes
+
+    @property
+    def data(self) -> list[float]:
+        return float32_values(self.raw)
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+OutputT = TypeVar("OutputT")
+
+
+@dataclass
+class PoolingRequestOutput(Generic[OutputT]):
+    """What a pooling request returns (vLLM's shape): ``outputs`` is a ``PoolingOutput``
+    from the engine, an ``EmbeddingOutput`` from ``LLM.embed``."""
+
+    request_id: str
+    outputs: OutputT
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """What ``LLM.embed`` returns for one prompt: ``outputs.embedding``."""
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput[PoolingOutput]) -> EmbeddingRequestOutput:
+        return cls(
+            request_id=output.request_id,
+            outputs=EmbeddingOutput(output.outputs.data),
+            prompt_token_ids=output.prompt_token_ids,
+            finished=output.finished,
+            num_cached_tokens=output.num_cached_tokens,
+        )
+
+
+def float32_values(raw: bytes) -> list[float]:
+    """The values of little-endian float32 bytes (a pooled vector) as Python floats."""
+    values = array.array("f", raw)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tolist()

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from tokenloom.lora_request import LoRARequest
 from tokenloom.multimodal.inputs import MultiModalFeatureSpec, check_features
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ class Request:
         "num_cached_tokens", "sampling_params", "eos_token_id", "arrival_time", "priority",
         "stop_reason", "prompt_token_ids", "num_prompt_tokens", "num_preemptions", "max_tokens",
         "min_tokens", "block_hashes", "lora_request", "lora_int_id", "structured_output_request",
-        "mm_features", "mm_end",
+        "mm_features", "mm_end", "pooling_params",
     )  # fmt: skip
 
     def __init__(
@@ -128,11 +129,14 @@ class Request:
         lora_request: LoRARequest | None = None,
         prior_output_token_ids: list[int] | None = None,
         mm_features: list[MultiModalFeatureSpec] | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         """``prior_output_token_ids``: output a crashed engine core already produced
         (a resumed request); they count as output for every limit and penalty.
         ``mm_features``: the prompt's images, in prompt order (see
-        ``tokenloom.multimodal.inputs``)."""
+        ``tokenloom.multimodal.inputs``). ``pooling_params``: a pooling request, which
+        finishes with the pooled output of its prompt (``sampling_params`` then goes
+        unused)."""
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         max_tokens = sampling_params.max_tokens
@@ -186,6 +190,7 @@ class Request:
         if mm_features:
             self.mm_features = check_features(mm_features, len(prompt_token_ids))
             self.mm_end = self.mm_features[-1].mm_position.end
+        self.pooling_params = pooling_params
 
     def set_structured_output_request(self, structured: StructuredOutputRequest) -> None:
         """Constrain this request: every sampled token must then advance the grammar."""

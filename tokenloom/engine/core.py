@@ -209,6 +209,7 @@ class EngineCore:
             lora_request=request.lora_request,
             prior_output_token_ids=request.prior_output_token_ids,
             mm_features=request.mm_features,
+            pooling_params=request.pooling_params,
         )
         self.scheduler.add_request(core_request)
         if self._recorder is not None:

@@ -13,6 +13,7 @@ import msgspec
 from tokenloom.lora_request import LoRARequest
 from tokenloom.multimodal.inputs import MultiModalFeatureSpec
 from tokenloom.outputs import EngineCoreOutputs
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -23,6 +24,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     for it (crash recovery, ``tokenloom.engine.recovery``); the core recomputes
     them like a preemption and continues after them. ``mm_features``: the
     prompt's images, processed (``tokenloom.multimodal.inputs``).
+    ``pooling_params``: an embedding request, finished with its pooled vector.
     """
 
     request_id: str
@@ -34,6 +36,8 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     lora_request: LoRARequest | None = None
     prior_output_token_ids: list[int] = []
     mm_features: list[MultiModalFeatureSpec] | None = None
+    # A pooling request (``sampling_params`` is then unused); None: it generates.
+    pooling_params: PoolingParams | None = None
 
 
 class AbortRequests(msgspec.Struct, tag=True):

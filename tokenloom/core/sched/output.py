@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from tokenloom.lora_request import LoRARequest
 from tokenloom.multimodal.inputs import MultiModalFeatureSpec
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -32,6 +33,8 @@ class NewRequestData:
     # The prompt's images, with their arrays (the runner keeps them until the request
     # finishes, so a resumed request brings none).
     mm_features: list[MultiModalFeatureSpec] | None = None
+    # A pooling request's parameters (it is pooled, never sampled); None: it generates.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass

@@ -45,6 +45,12 @@ Other choices worth knowing:
   step's bitmask for the structured requests that sample in it; drafts of a
   structured request are cut at the first token its grammar refuses. A
   reasoning model's request (``reasoning_gate``) gets no row while it thinks.
+* Pooling requests (``Request.pooling_params``) are scheduled like any
+  prompt, chunked and batched with the others, and finish as
+  ``FINISHED_STOPPED`` in the step whose runner output carries their pooled
+  vector (``ModelRunnerOutput.pooler_output``, sent on in
+  ``EngineCoreOutput.pooling_output``): they never decode. Those whose pooling
+  reads every token skip prefix-cache hits (``skip_reading_prefix_cache``).
 * Requests preempted by ``reset_prefix_cache(reset_running_requests=True)``
   are reported in the next ``preempted_req_ids``; that step admits nothing,
   so the runner drops them before they are resumed.
@@ -84,7 +90,7 @@ from tokenloom.outputs import (
     SchedulerStats,
     SpecDecodingStats,
 )
-from tokenloom.request import Request, RequestStatus
+from tokenloom.request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
     from tokenloom.structured_output.manager import GrammarOutput, StructuredOutputManager
@@ -482,7 +488,8 @@ class Scheduler(SchedulerInterface):
             if lora_id and lora_id not in adapters and len(adapters) >= max_loras:
                 skipped.append(waiting.pop())  # another adapter would exceed max_loras
                 continue
-            if caching:
+            pooling = request.pooling_params
+            if caching and (pooling is None or not pooling.skip_reading_prefix_cache):
                 computed_blocks, num_cached = manager.get_computed_blocks(request)
             else:
                 computed_blocks, num_cached = None, 0
@@ -536,6 +543,7 @@ class Scheduler(SchedulerInterface):
                         lora_request=request.lora_request,
                         output_token_ids=list(request.output_token_ids),
                         mm_features=request.mm_features,
+                        pooling_params=request.pooling_params,
                     ),
                     num_new,
                 )
@@ -732,6 +740,10 @@ class Scheduler(SchedulerInterface):
                     )
                 )
 
+        pooler_output = model_runner_output.pooler_output
+        if pooler_output is not None:
+            self._finish_pooled(req_ids, pooler_output, per_client, finished)
+
         finished_ids: dict[int, set[str]] = {}
         if finished:
             free = self.kv_cache_manager.free
@@ -772,6 +784,33 @@ class Scheduler(SchedulerInterface):
             first = min(result) if result else 0
             result.setdefault(first, EngineCoreOutputs()).scheduler_stats = self.make_stats()
         return result
+
+    def _finish_pooled(
+        self,
+        req_ids: list[str],
+        pooler_output: list[bytes | None],
+        per_client: dict[int, list[EngineCoreOutput]],
+        finished: list[Request],
+    ) -> None:
+        """Finish the pooling requests whose pooled output came back: their last
+        prompt token was computed, and a pooling request never decodes."""
+        for req_id, pooled in zip(req_ids, pooler_output, strict=True):
+            if pooled is None:
+                continue  # a partial prefill
+            request = self.requests.get(req_id)
+            if request is None or request.status is not _RUNNING:
+                continue
+            request.status = RequestStatus.FINISHED_STOPPED
+            finished.append(request)
+            per_client.setdefault(request.client_index, []).append(
+                EngineCoreOutput(
+                    req_id,
+                    [],
+                    FinishReason.STOP,
+                    num_cached_tokens=request.num_cached_tokens,
+                    pooling_output=pooled,
+                )
+            )
 
     def _observe_drafts(self, num_drafts: int, num_accepted: int) -> None:
         stats = self._spec_stats
