@@ -293,6 +293,41 @@ class CompletionRequest(_SamplingRequest):
         return self._sampling_params(self.max_tokens, self.logprobs)
 
 
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings (OpenAI's shape, vLLM's extensions). ``input`` is a text, a
+    list of texts, token ids, or a list of token-id lists; each item is one embedding."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    # Matryoshka models only; checked by the engine against the model.
+    dimensions: int | None = _documented(minimum=1)
+    user: str | None = None
+    truncate_prompt_tokens: int | None = _documented(minimum=-1)
+    normalize: bool | None = None
+    priority: int = _documented(0, minimum=INT64_MIN, maximum=INT64_MAX)
+
+    def inputs(self) -> list[str | list[int]]:
+        """The input as a non-empty batch of at most MAX_SEQUENCES_PER_REQUEST items."""
+        value = self.input
+        if isinstance(value, str):
+            batch: list[Any] = [value]
+        elif value and all(isinstance(t, int) for t in value):
+            batch = [value]
+        else:
+            batch = list(value)
+        if not batch:
+            raise OpenAIError("input must not be empty", param="input")
+        if len(batch) > MAX_SEQUENCES_PER_REQUEST:
+            raise OpenAIError(
+                f"input may hold at most {MAX_SEQUENCES_PER_REQUEST} items, got {len(batch)}",
+                param="input",
+            )
+        return batch
+
+
 class TextContentPart(BaseModel):
     type: Literal["text"]
     text: str
@@ -451,6 +486,22 @@ class UsageInfo(BaseModel):
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
         )
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    # Floats, or (encoding_format base64) the little-endian float32 bytes in base64.
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
 
 
 class CompletionLogProbs(BaseModel):
