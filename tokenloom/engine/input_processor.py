@@ -152,6 +152,11 @@ class InputProcessor:
 
         ``prompt_text`` names the text of a prompt given as token ids (a rendered chat).
         """
+        if self.pooler_config is not None:
+            raise ValueError(
+                "model: this engine runs the pooling runner: it embeds (LLM.embed, "
+                "/v1/embeddings) and does not generate"
+            )
         if not isinstance(params, SamplingParams):
             raise ValueError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
