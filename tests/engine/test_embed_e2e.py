@@ -13,32 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3Config
 
+from tests.pooling.tiny_models import CONFIGS, VOCAB, Reference, write_model
 from tokenloom import LLM
-from tokenloom.default_model import default_model_path
-from tokenloom.model.tokenizer import load_tokenizer
 from tokenloom.pooling_params import PoolingParams
 
-VOCAB = 49152  # the default model's tokenizer
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=True,
-)
-CONFIGS: dict[str, PretrainedConfig] = {
-    "qwen3": Qwen3Config(**COMMON, is_matryoshka=True),
-    "llama": LlamaConfig(**COMMON),
-}
 BLOCK = 16
 LENGTHS = (5, 17, 40, 33, 64, 1)
 
@@ -50,40 +29,7 @@ def _prompts(seed: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    tokenizer = load_tokenizer(default_model_path())
-    dirs = {}
-    for name, config in CONFIGS.items():
-        torch.manual_seed(0)
-        config._attn_implementation = "eager"
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                if "norm" in param_name:
-                    param.uniform_(0.7, 1.3)
-                else:
-                    param.normal_(0.0, 0.1)
-        out = tmp_path_factory.mktemp(name)
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        dirs[name] = out
-    return dirs
-
-
-class Reference:
-    """transformers' final hidden states (after the final norm) of one model, pooled."""
-
-    def __init__(self, path: Path, dtype: torch.dtype) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-
-    def hidden(self, ids: list[int]) -> torch.Tensor:
-        with torch.inference_mode():
-            out = self.model.model(torch.tensor([ids]))
-        return out.last_hidden_state[0].float()
-
-    def embed(self, ids: list[int], pooling: str, normalize: bool = True) -> torch.Tensor:
-        hidden = self.hidden(ids)
-        vector = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[pooling]
-        return torch.nn.functional.normalize(vector, dim=0) if normalize else vector
+    return {name: write_model(name, tmp_path_factory.mktemp(name)) for name in CONFIGS}
 
 
 @pytest.fixture(scope="module")
