@@ -6,7 +6,6 @@ and carry the default model's tokenizer."""
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.pooling.tiny_models import CONFIGS, VOCAB, Reference, write_model
+from tests.pooling.tiny_models import (
+    CONFIGS,
+    VOCAB,
+    Reference,
+    write_model,
+    write_sentence_transformers,
+)
 from tokenloom import LLM
 from tokenloom.pooling_params import PoolingParams
 
@@ -175,20 +180,7 @@ def test_sentence_transformers_files_choose_the_pooling(
     st_dir.mkdir()
     for item in model_dirs["llama"].iterdir():
         (st_dir / item.name).symlink_to(item)
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-    ]
-    (st_dir / "modules.json").write_text(json.dumps(modules))
-    (st_dir / "1_Pooling").mkdir()
-    (st_dir / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": 64, "pooling_mode_cls_token": True})
-    )
+    write_sentence_transformers(st_dir, "cls_token", normalize=False)
     llm = LLM(str(st_dir), runner="pooling", dtype="float32", num_blocks=32, log_stats=False)
     prompt = _prompts(5)[3]
     (output,) = llm.embed([prompt], use_tqdm=False)

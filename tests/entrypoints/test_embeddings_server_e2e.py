@@ -6,7 +6,6 @@ from the prefix cache, and a 400 naming the field for bad inputs."""
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from tests.pooling.tiny_models import VOCAB, Reference, write_model
+from tests.pooling.tiny_models import VOCAB, Reference, write_model, write_sentence_transformers
 
 from .server_utils import RemoteServer, metric_values
 
@@ -29,27 +28,7 @@ MODEL = "tiny-embed"
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = write_model("qwen3", tmp_path_factory.mktemp("qwen3_st"))
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-        {
-            "idx": 2,
-            "name": "2",
-            "path": "2_Normalize",
-            "type": "sentence_transformers.models.Normalize",
-        },
-    ]
-    (out / "modules.json").write_text(json.dumps(modules))
-    (out / "1_Pooling").mkdir()
-    (out / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": 64, "pooling_mode_lasttoken": True})
-    )
-    return out
+    return write_sentence_transformers(out, "lasttoken", normalize=True)
 
 
 @pytest.fixture(scope="module")

@@ -9,48 +9,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.pooling.tiny_models import HIDDEN, write_sentence_transformers
 from tokenloom.engine.args import EngineArgs
 from tokenloom.pooling.config import PoolerConfig, resolve_pooler_config
 from tokenloom.pooling_params import PoolingParams
 
-HIDDEN = 64
-
 
 def st_model(root: Path, mode: str | None, *, normalize: bool, extra: dict | None = None) -> Path:
-    """A model directory with Sentence-Transformers files pooling by ``mode``."""
+    """A model directory (a config.json only) with Sentence-Transformers files."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(extra or {}))
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}
-    ]
-    if mode is not None:
-        modules.append(
-            {
-                "idx": 1,
-                "name": "1",
-                "path": "1_Pooling",
-                "type": "sentence_transformers.models.Pooling",
-            }
-        )
-        (root / "1_Pooling").mkdir(exist_ok=True)
-        flags = {
-            f"pooling_mode_{m}": m == mode
-            for m in ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "lasttoken")
-        }
-        (root / "1_Pooling" / "config.json").write_text(
-            json.dumps({"word_embedding_dimension": HIDDEN, **flags, "include_prompt": True})
-        )
-    if normalize:
-        modules.append(
-            {
-                "idx": 2,
-                "name": "2",
-                "path": "2_Normalize",
-                "type": "sentence_transformers.models.Normalize",
-            }
-        )
-    (root / "modules.json").write_text(json.dumps(modules))
-    return root
+    return write_sentence_transformers(root, mode, normalize=normalize)
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ tokenizer, and transformers' pooled final hidden states of them as the reference
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -67,3 +68,27 @@ class Reference:
         hidden = self.hidden(ids)
         vector = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[pooling]
         return torch.nn.functional.normalize(vector, dim=0) if normalize else vector
+
+
+_ST = "sentence_transformers.models."
+
+
+def write_sentence_transformers(model_dir: Path, mode: str | None, *, normalize: bool) -> Path:
+    """Add a Sentence-Transformers pipeline to ``model_dir``: a Transformer, a Pooling
+    module pooling by ``pooling_mode_<mode>`` (none when ``mode`` is None) and, with
+    ``normalize``, a Normalize module."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": _ST + "Transformer"}]
+    if mode is not None:
+        modules.append({"idx": 1, "name": "1", "path": "1_Pooling", "type": _ST + "Pooling"})
+        (model_dir / "1_Pooling").mkdir(exist_ok=True)
+        flags = {
+            f"pooling_mode_{m}": m == mode
+            for m in ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "lasttoken")
+        }
+        (model_dir / "1_Pooling" / "config.json").write_text(
+            json.dumps({"word_embedding_dimension": HIDDEN, **flags, "include_prompt": True})
+        )
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": _ST + "Normalize"})
+    (model_dir / "modules.json").write_text(json.dumps(modules))
+    return model_dir

@@ -249,6 +249,22 @@ def _response_format_constraint(fmt: ResponseFormat | None) -> StructuredOutputs
     return StructuredOutputsParams(json=fmt.json_schema.json_schema)
 
 
+def as_batch(
+    value: str | list[str] | list[int] | list[list[int]], param: str
+) -> list[str | list[int]]:
+    """A prompt field (a text, texts, token ids, or token-id lists) as a non-empty list
+    of prompts; an empty one is a 400 naming ``param``."""
+    if isinstance(value, str):
+        batch: list[Any] = [value]
+    elif value and all(isinstance(t, int) for t in value):
+        batch = [value]
+    else:
+        batch = list(value)
+    if not batch:
+        raise OpenAIError(f"{param} must not be empty", param=param)
+    return batch
+
+
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions. ``prompt`` may be text, token ids, or a batch of either."""
 
@@ -262,15 +278,7 @@ class CompletionRequest(_SamplingRequest):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a non-empty batch."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            batch: list[Any] = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            batch = [prompt]
-        else:
-            batch = list(prompt)
-        if not batch:
-            raise OpenAIError("prompt must not be empty", param="prompt")
+        batch = as_batch(self.prompt, "prompt")
         if len(batch) * self.n > MAX_SEQUENCES_PER_REQUEST:
             raise OpenAIError(
                 f"a request may ask for at most {MAX_SEQUENCES_PER_REQUEST} completions "
@@ -311,15 +319,7 @@ class EmbeddingRequest(BaseModel):
 
     def inputs(self) -> list[str | list[int]]:
         """The input as a non-empty batch of at most MAX_SEQUENCES_PER_REQUEST items."""
-        value = self.input
-        if isinstance(value, str):
-            batch: list[Any] = [value]
-        elif value and all(isinstance(t, int) for t in value):
-            batch = [value]
-        else:
-            batch = list(value)
-        if not batch:
-            raise OpenAIError("input must not be empty", param="input")
+        batch = as_batch(self.input, "input")
         if len(batch) > MAX_SEQUENCES_PER_REQUEST:
             raise OpenAIError(
                 f"input may hold at most {MAX_SEQUENCES_PER_REQUEST} items, got {len(batch)}",
