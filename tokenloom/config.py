@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from tokenloom.options import option, validate
+from tokenloom.options import json_object, option, validate
 from tokenloom.pooling.config import PoolerConfig
 from tokenloom.reasoning import reasoning_parser_names
 
@@ -101,24 +101,14 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, config: object) -> SpeculativeConfig:
-        """Parse vLLM's ``speculative_config`` dict; errors name the offending key.
+        """Parse vLLM's ``speculative_config`` dict (or its JSON text); errors name the key.
 
         As in vLLM, ``method`` may be left out when ``model`` names a draft model
         (or is ``"ngram"``), and one prompt_lookup bound defaults to the other.
         """
         if isinstance(config, SpeculativeConfig):
             return config
-        if not isinstance(config, dict):
-            raise ValueError(
-                f"speculative_config must be a dict (or JSON object), got {type(config).__name__}"
-            )
-        unknown = sorted(str(k) for k in config if k not in _SPECULATIVE_KEYS)
-        if unknown:
-            raise ValueError(
-                f"speculative_config.{unknown[0]} is not a supported key "
-                f"(supported: {', '.join(_SPECULATIVE_KEYS)})"
-            )
-        values: dict[str, Any] = dict(config)
+        values = dict(json_object(config, "speculative_config", _SPECULATIVE_KEYS))
         method: Any = values.get("method")
         model = values.get("model")
         if method is None:
@@ -154,18 +144,12 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: object) -> SpeculativeConfig:
         """``--speculative-config``'s JSON text, vLLM's dict, or a SpeculativeConfig."""
-        return cls.from_json(value) if isinstance(value, str) else cls.from_dict(value)
+        return cls.from_dict(value)
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
         """Parse ``--speculative-config`` (a JSON object)."""
-        import json
-
-        try:
-            config = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        return cls.from_dict(config)
+        return cls.from_dict(text)
 
 
 def _is_int(value: object) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from tokenloom.options import json_object
 from tokenloom.pooling_params import PoolingParams
 
 logger = logging.getLogger(__name__)
@@ -84,20 +85,7 @@ class PoolerConfig:
         """``--pooler-config``'s JSON text, vLLM's dict, or a PoolerConfig; errors name the key."""
         if isinstance(value, PoolerConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"pooler_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(
-                f"pooler_config must be a dict (or JSON object), got {type(value).__name__}"
-            )
-        unknown = sorted(str(k) for k in value if k not in _KEYS)
-        if unknown:
-            raise ValueError(
-                f"pooler_config.{unknown[0]} is not a supported key (supported: {', '.join(_KEYS)})"
-            )
+        value = json_object(value, "pooler_config", _KEYS)
         task = value.get("task")
         if task not in (None, "embed"):
             raise ValueError(
