@@ -2,10 +2,12 @@
 ``openai`` client: a tiny random-weight Qwen3 with a Sentence-Transformers
 pipeline (last-token pooling, normalised), compared with transformers' pooled hidden
 states, one input and a batch, float and base64, chunked (8 tokens a step),
-from the prefix cache, and a 400 naming the field for bad inputs."""
+from the prefix cache, and a 400 naming the field for bad inputs; and a tiny
+random-weight Llama in bfloat16, pooled as ``--pooler-config`` says."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -151,6 +153,41 @@ def test_bad_inputs_are_a_400_naming_the_field(
         client.embeddings.create(**kwargs)
     assert caught.value.status_code == 400
     assert caught.value.body["param"] == param  # type: ignore[index]
+
+
+def test_llama_in_bfloat16_with_a_pooler_config(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Last-token pooling of a Llama in bfloat16, as ``--pooler-config`` says,
+    chunked (16 tokens a step), against transformers in bfloat16: cosine >= 0.999,
+    one input, a batch, and from a prefix-cache hit."""
+    model_dir = write_model("llama", tmp_path_factory.mktemp("llama"))
+    args = [
+        str(model_dir),
+        "--runner", "pooling",
+        "--pooler-config", json.dumps({"pooling_type": "LAST", "normalize": True}),
+        "--served-model-name", MODEL,
+        "--dtype", "bfloat16",
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--max-num-batched-tokens", "16",
+        "--num-blocks", "64",
+    ]  # fmt: skip
+    prompts = _prompts(3, (40, 5, 64, 17, 1))
+    server = RemoteServer(args, tmp_path_factory.mktemp("llama_server") / "server.log")
+    try:
+        with server.openai_client(timeout=120) as client:
+            single = client.embeddings.create(model=MODEL, input=[prompts[0]])
+            batch = client.embeddings.create(model=MODEL, input=prompts)
+            hits = _prefix_cache_hits(server)
+            again = client.embeddings.create(model=MODEL, input=[prompts[2] + [7, 8]])
+            assert _prefix_cache_hits(server) - hits == 64  # prompts[2]'s four blocks
+    finally:
+        server.stop()
+    reference = Reference(model_dir, torch.bfloat16)
+    got = [single.data[0].embedding, *(d.embedding for d in batch.data), again.data[0].embedding]
+    for vector, ids in zip(got, [prompts[0], *prompts, prompts[2] + [7, 8]], strict=True):
+        cosine = torch.nn.functional.cosine_similarity(
+            torch.tensor(vector), reference.embed(ids, "LAST"), dim=0
+        )
+        assert float(cosine) >= 0.999, (len(ids), float(cosine))
 
 
 def test_generation_routes_are_refused(server: RemoteServer) -> None:
