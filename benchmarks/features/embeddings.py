@@ -304,7 +304,7 @@ def _summary(
             for a, b in zip(vectors, reference, strict=True)
         ]
         result["engines"][engine] = {
-            "embeddings_per_s": round(args.num_inputs / wall, 1),
+            "embeddings_per_s": round(args.num_inputs / wall, 2),
             "tokens_per_s": round(runs[engine][0]["num_tokens"] / wall),
             # Its own CPU time: what a busy machine disturbs least.
             "embeddings_per_cpu_s": round(args.num_inputs / own_cpu, 2),
