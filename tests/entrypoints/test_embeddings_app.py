@@ -7,7 +7,6 @@ from __future__ import annotations
 import array
 import base64
 import math
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -24,15 +23,8 @@ POOLER = PoolerConfig(pooling_type="LAST", normalize=True, hidden_size=4, is_mat
 
 @pytest.fixture
 def engine() -> FakeAsyncLLM:
+    """A pooling engine (the conftest's ``client`` serves the app over it)."""
     return FakeAsyncLLM(pooler_config=POOLER)
-
-
-@pytest.fixture
-async def client(engine: FakeAsyncLLM) -> AsyncIterator[httpx.AsyncClient]:
-    app = build_app(engine, max_waiting_requests=4)
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-        yield c
 
 
 def _fake_vector(ids: list[int], dims: int = 4, normalize: bool = True) -> list[float]:
