@@ -3,13 +3,32 @@
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.lora_request import LoRARequest
-from tokenloom.outputs import CompletionOutput, RequestOutput
+from tokenloom.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenloom.engine.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "LoRARequest",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "PoolingOutput",
+    "EmbeddingRequestOutput",
+    "EmbeddingOutput",
+]
 __version__ = "0.1.0"
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from tokenloom.options import option, validate
+from tokenloom.options import json_object, option, validate
+from tokenloom.pooling.config import PoolerConfig
 from tokenloom.reasoning import reasoning_parser_names
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -27,26 +28,6 @@ QUANTIZATION_METHODS: tuple[QuantizationMethod, ...] = get_args(QuantizationMeth
 def _require(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{field} {message}")
-
-
-def _json_object(value: object, name: str, keys: tuple[str, ...]) -> dict[str, Any]:
-    """A JSON option's object (from its text, or already a dict), with every key one of
-    ``keys``; errors name the option and the key."""
-    if isinstance(value, str):
-        import json
-
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{name} is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
-    unknown = sorted(str(k) for k in value if k not in keys)
-    if unknown:
-        raise ValueError(
-            f"{name}.{unknown[0]} is not a supported key (supported: {', '.join(keys)})"
-        )
-    return dict(value)
 
 
 # SpeculativeConfig comes before SchedulerConfig, whose speculative_config option
@@ -120,14 +101,14 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, config: object) -> SpeculativeConfig:
-        """Parse vLLM's ``speculative_config`` dict; errors name the offending key.
+        """Parse vLLM's ``speculative_config`` dict (or its JSON text); errors name the key.
 
         As in vLLM, ``method`` may be left out when ``model`` names a draft model
         (or is ``"ngram"``), and one prompt_lookup bound defaults to the other.
         """
         if isinstance(config, SpeculativeConfig):
             return config
-        values = _json_object(config, "speculative_config", _SPECULATIVE_KEYS)
+        values = dict(json_object(config, "speculative_config", _SPECULATIVE_KEYS))
         method: Any = values.get("method")
         model = values.get("model")
         if method is None:
@@ -163,7 +144,7 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: object) -> SpeculativeConfig:
         """``--speculative-config``'s JSON text, vLLM's dict, or a SpeculativeConfig."""
-        return cls.from_json(value) if isinstance(value, str) else cls.from_dict(value)
+        return cls.from_dict(value)
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -338,7 +319,7 @@ class KVTransferConfig:
         """``--kv-transfer-config``'s JSON text, vLLM's dict, or a KVTransferConfig."""
         if isinstance(value, KVTransferConfig):
             return value
-        values = _json_object(value, "kv_transfer_config", _KV_TRANSFER_KEYS)
+        values = dict(json_object(value, "kv_transfer_config", _KV_TRANSFER_KEYS))
         if "kv_connector" not in values:
             raise ValueError(
                 f"kv_transfer_config.kv_connector is required ({', '.join(KV_CONNECTORS)})"
@@ -504,6 +485,20 @@ class ModelConfig:
         help="run on quantized weights: gguf (a .gguf file's own, the default for GGUF "
         "files unless --dtype names a float type), int8 or int4 (quantize a float "
         "checkpoint at load time)",
+    )
+    runner: Literal["auto", "generate", "pooling"] = option(
+        "auto",
+        help="generate tokens, or pool the final hidden states into embeddings (pooling, "
+        "/v1/embeddings); auto: generate, as every supported architecture is a causal LM",
+    )
+    # Completed for the model by the engine set-up (``pooling.config.resolve_pooler_config``).
+    pooler_config: PoolerConfig | None = option(
+        None,
+        parse=PoolerConfig.parse,
+        metavar="JSON",
+        help='pooling as JSON, vLLM\'s keys: {"pooling_type": "LAST", "normalize": true} '
+        "(pooling_type LAST, MEAN or CLS; optional dimensions for Matryoshka models); "
+        "default: the model's Sentence-Transformers files, else LAST and normalize",
     )
 
     def __post_init__(self) -> None:

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, Union
 
@@ -155,6 +156,26 @@ class OptionSpec:
         if self.choices is not None:
             kwargs["choices"] = list(self.choices)
         return kwargs
+
+
+def json_object(value: object, name: str, keys: Iterable[str]) -> dict[str, Any]:
+    """A JSON-object option (``--speculative-config``, ``--pooler-config``,
+    ``--kv-transfer-config``): its JSON text or dict as a dict whose keys are all
+    in ``keys``; errors name the option and the key."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict (or JSON object), got {type(value).__name__}")
+    known = tuple(keys)
+    unknown = sorted(str(k) for k in value if k not in known)
+    if unknown:
+        raise ValueError(
+            f"{name}.{unknown[0]} is not a supported key (supported: {', '.join(known)})"
+        )
+    return value
 
 
 def validate(obj: object) -> None:

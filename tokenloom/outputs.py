@@ -8,8 +8,10 @@ third of a dataclass, and the scheduler builds one per running request per step.
 
 from __future__ import annotations
 
+import array
+import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -117,6 +119,9 @@ class ModelRunnerOutput:
     ``logprobs[i]`` has one entry per sampled token when the request asked.
     ``req_id_to_index`` maps each id to its position in ``req_ids``.
     ``kv_connector_output``: the KV connector's report (None without one).
+    ``pooler_output`` (a pooling runner only; None otherwise): for each request,
+    its pooled vector as little-endian float32 bytes in the step that computed
+    its last prompt token, else None.
     """
 
     req_ids: list[str]
@@ -124,6 +129,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None
     kv_connector_output: KVConnectorOutput | None = None
+    pooler_output: list[bytes | None] | None = None
 
 
 class StepStats(msgspec.Struct):
@@ -181,8 +187,12 @@ KV_BLOCK_USED = 2  # held by one request
 KV_BLOCK_SHARED = 3  # held by several requests (a shared prefix)
 
 
-class EngineCoreOutput(msgspec.Struct):
-    """New tokens of one request from one step."""
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
+    """New tokens of one request from one step, or a pooling request's pooled vector
+    (``pooling_output``: little-endian float32 bytes, with its finish).
+
+    Fields at their defaults are left out of the encoding: most of a decode
+    step's outputs carry one token and nothing else."""
 
     request_id: str
     new_token_ids: list[int]
@@ -192,6 +202,7 @@ class EngineCoreOutput(msgspec.Struct):
     new_logprobs: list[TokenLogprobs] | None = None
     # Set on a finished request's output by a KV connector (vLLM's field).
     kv_transfer_params: dict[str, Any] | None = None
+    pooling_output: bytes | None = None
 
     @property
     def finished(self) -> bool:
@@ -238,3 +249,63 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # What a KV connector returned for the request (prefill/decode disaggregation).
     kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass
+class PoolingOutput:
+    """A pooled vector of one prompt: ``raw`` holds it as little-endian float32 bytes
+    (as the engine sends it, what a base64 response carries), ``data`` as floats."""
+
+    raw: bytes
+
+    @property
+    def data(self) -> list[float]:
+        return float32_values(self.raw)
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+OutputT = TypeVar("OutputT")
+
+
+@dataclass
+class PoolingRequestOutput(Generic[OutputT]):
+    """What a pooling request returns (vLLM's shape): ``outputs`` is a ``PoolingOutput``
+    from the engine, an ``EmbeddingOutput`` from ``LLM.embed``."""
+
+    request_id: str
+    outputs: OutputT
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """What ``LLM.embed`` returns for one prompt: ``outputs.embedding``."""
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput[PoolingOutput]) -> EmbeddingRequestOutput:
+        return cls(
+            request_id=output.request_id,
+            outputs=EmbeddingOutput(output.outputs.data),
+            prompt_token_ids=output.prompt_token_ids,
+            finished=output.finished,
+            num_cached_tokens=output.num_cached_tokens,
+        )
+
+
+def float32_values(raw: bytes) -> list[float]:
+    """The values of little-endian float32 bytes (a pooled vector) as Python floats."""
+    values = array.array("f", raw)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tolist()

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from tokenloom.lora_request import LoRARequest
 from tokenloom.multimodal.inputs import MultiModalFeatureSpec, check_features
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ class Request:
         "num_cached_tokens", "sampling_params", "eos_token_id", "arrival_time", "priority",
         "stop_reason", "prompt_token_ids", "num_prompt_tokens", "num_preemptions", "max_tokens",
         "min_tokens", "block_hashes", "lora_request", "lora_int_id", "structured_output_request",
-        "mm_features", "mm_end", "tenant_weight", "kv_transfer_params",
+        "mm_features", "mm_end", "tenant_weight", "kv_transfer_params", "pooling_params",
     )  # fmt: skip
 
     def __init__(
@@ -133,13 +134,16 @@ class Request:
         mm_features: list[MultiModalFeatureSpec] | None = None,
         tenant: str = "",
         tenant_weight: float = 1.0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         """``prior_output_token_ids``: output a crashed engine core already produced
         (a resumed request); they count as output for every limit and penalty.
         ``mm_features``: the prompt's images, in prompt order (see
         ``tokenloom.multimodal.inputs``). ``tenant`` names who sent it ("": the
         default tenant) and ``tenant_weight`` that tenant's share of the engine
-        under the fair policy."""
+        under the fair policy. ``pooling_params``: a pooling request, which
+        finishes with the pooled output of its prompt (``sampling_params`` then goes
+        unused)."""
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         if not tenant_weight > 0 or tenant_weight == float("inf"):
@@ -203,6 +207,7 @@ class Request:
         self.kv_transfer_params: dict | None = (
             extra.get("kv_transfer_params") if extra is not None else None
         )
+        self.pooling_params = pooling_params
 
     def set_structured_output_request(self, structured: StructuredOutputRequest) -> None:
         """Constrain this request: every sampled token must then advance the grammar."""

@@ -205,7 +205,7 @@ def test_kv_transfer_config_flags() -> None:
     ("kwargs", "message"),
     [
         ({"kv_transfer_config": "{"}, "kv_transfer_config is not valid JSON"),
-        ({"kv_transfer_config": "[1]"}, "kv_transfer_config must be a JSON object"),
+        ({"kv_transfer_config": "[1]"}, "kv_transfer_config must be a dict"),
         ({"kv_transfer_config": {}}, "kv_transfer_config.kv_connector is required"),
         ({"kv_transfer_config": {"kv_connector": "X"}}, "kv_transfer_config.kv_connector"),
         (

@@ -87,3 +87,29 @@ def test_invalid_sampling_params_are_rejected_on_decode() -> None:
     )
     with pytest.raises(msgspec.ValidationError, match="temperature"):
         input_decoder.decode(raw)
+
+
+def test_pooling_requests_and_outputs_round_trip() -> None:
+    from tokenloom.pooling_params import PoolingParams
+
+    request = EngineCoreRequest(
+        "e1",
+        [1, 2, 3],
+        SamplingParams(max_tokens=1),
+        eos_token_id=None,
+        arrival_time=1.0,
+        pooling_params=PoolingParams(dimensions=8, normalize=True, skip_reading_prefix_cache=True),
+    )
+    decoded = input_decoder.decode(encode(request))
+    assert decoded == request and isinstance(decoded.pooling_params, PoolingParams)
+    vector = b"\x00\x00\x80?" * 8
+    pooled = EngineCoreOutput("e1", [], FinishReason.STOP, pooling_output=vector)
+    message = CoreOutputs(EngineCoreOutputs([pooled, EngineCoreOutput("g", [5])]))
+    decoded_out = output_decoder.decode(encode(message))
+    assert decoded_out == message
+    assert decoded_out.outputs.outputs[0].pooling_output == vector
+    # Fields at their defaults stay off the wire: a decode step's output is its id and token.
+    assert msgspec.msgpack.decode(encode(EngineCoreOutput("g", [5]))) == {
+        "request_id": "g",
+        "new_token_ids": [5],
+    }

@@ -210,3 +210,34 @@ def test_timelines_carry_scheduling_preemptions_and_trace_context(
     assert done.timeline.num_generation_tokens == 3 and done.timeline.num_cached_tokens == 2
     assert done.trace_headers == headers
     assert done.sampling_params is not None and done.sampling_params.max_tokens == 3
+
+
+async def test_a_pooling_request_ends_with_its_vector(tokenizer: Any) -> None:
+    from tokenloom.outputs import PoolingRequestOutput
+    from tokenloom.pooling.config import PoolerConfig
+
+    pooler = PoolerConfig(pooling_type="LAST", normalize=True, hidden_size=4)
+    inputs = InputProcessor(
+        tokenizer, max_model_len=8, vocab_size=49152, eos_token_ids=[EOS], pooler_config=pooler
+    )
+    text, reqs = inputs.process_pooling("e", "Hello there")
+    assert reqs[0].pooling_params is not None and reqs[0].pooling_params.normalize is True
+    proc = OutputProcessor(tokenizer)
+    collector: RequestOutputCollector[Any] = RequestOutputCollector(delta=False)
+    proc.add_request("e", text, reqs, collector)
+    stats = IterationStats()
+    vector = b"\x00\x00\x80?" * 4
+    result = proc.process_outputs(
+        [EngineCoreOutput("e", [], FinishReason.STOP, pooling_output=vector)], 1.0, stats
+    )
+    assert result.request_outputs == [] and not proc.has_unfinished_requests()
+    output = await collector.get()
+    assert isinstance(output, PoolingRequestOutput) and output.finished
+    assert output.outputs.raw == vector and output.outputs.data == [1.0] * 4
+    assert output.prompt_token_ids == reqs[0].prompt_token_ids
+    assert stats.num_prompt_tokens == len(reqs[0].prompt_token_ids)
+    assert stats.num_generation_tokens == 0
+    with pytest.raises(ValueError, match="^prompt is 9 tokens, more than the maximum context"):
+        inputs.process_pooling("long", list(range(9)))
+    with pytest.raises(ValueError, match="^model: this engine runs the pooling runner"):
+        inputs.process("g", "Hello", SamplingParams())

@@ -7,12 +7,17 @@ text instead, one character per step, and stops (``finish_reason`` stop, or
 length when ``max_tokens`` cuts the reply short). Requests are validated the way
 AsyncLLM validates them (vocabulary, context length, --max-logprobs), with
 ValueErrors that start with the field's name, and chats are rendered with a
-real Jinja template.
+real Jinja template. With ``pooler_config`` set it is a pooling engine
+instead: ``encode`` answers each prompt with a small vector made from its
+token ids, completed and checked by the real ``PoolerConfig`` and truncated
+or refused over the context as the real engine does.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
+import math
 from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +29,9 @@ from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.protocol import ChatOptions, RenderedChat
 from tokenloom.lora_request import LoRARequest
 from tokenloom.metrics.stats import StatLogger
-from tokenloom.outputs import CompletionOutput, RequestOutput
+from tokenloom.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from tokenloom.pooling.config import PoolerConfig
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 VOCAB_SIZE = 0x110000
@@ -57,7 +64,9 @@ class FakeAsyncLLM:
     data_parallel_size = 1
     max_logprobs = 20
 
-    def __init__(self, step_delay: float = 0.0) -> None:
+    def __init__(self, step_delay: float = 0.0, pooler_config: PoolerConfig | None = None) -> None:
+        self.pooler_config = pooler_config
+        self.pooling_params: list[PoolingParams] = []
         self.tokenizer = CharTokenizer()
         self.stat_loggers: list[StatLogger] = []
         self.step_delay = step_delay
@@ -227,4 +236,51 @@ class FakeAsyncLLM:
             self.finished.append(request_id)
         finally:
             self.num_running_requests -= 1
+            self.closed.append(request_id)
+
+    async def encode(
+        self,
+        prompt: str | list[int],
+        pooling_params: PoolingParams | None,
+        request_id: str,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[PoolingRequestOutput[PoolingOutput]]:
+        """A vector of 4 values from the token ids (its first ``dimensions``), normalised
+        unless asked not to be."""
+        if self.errored:
+            raise EngineDeadError()
+        if self.pooler_config is None:
+            raise ValueError("model: this engine generates text; it cannot embed")
+        params = self.pooler_config.request_params(pooling_params, self.model_name)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        truncate = params.truncate_prompt_tokens
+        if truncate is not None:
+            keep = self.max_model_len if truncate == -1 else truncate
+            if keep > self.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens ({truncate}) exceeds the context")
+            ids = ids[-keep:]
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        bad = next((t for t in ids if not 0 <= t < VOCAB_SIZE), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {VOCAB_SIZE})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens, longer than {self.max_model_len}")
+        self.started.append(request_id)
+        self.prompts.append(ids)
+        self.pooling_params.append(params)
+        try:
+            if self.step_delay:
+                await asyncio.sleep(self.step_delay)
+            if self.errored:
+                raise EngineDeadError()
+            vector = [float(len(ids)), float(sum(ids) % 97), 1.0, 2.0][: params.dimensions]
+            if params.normalize:
+                norm = math.sqrt(sum(v * v for v in vector))
+                vector = [v / norm for v in vector]
+            raw = array.array("f", vector).tobytes()
+            yield PoolingRequestOutput(request_id, PoolingOutput(raw), ids)
+            self.finished.append(request_id)
+        finally:
             self.closed.append(request_id)

@@ -19,6 +19,7 @@ from schemathesis import checks as st_checks
 from tokenloom.entrypoints.openai.auth import AccessConfig
 from tokenloom.entrypoints.openai.server import build_app
 from tokenloom.entrypoints.openai.tenants import TenantConfig
+from tokenloom.pooling.config import PoolerConfig
 
 from .fake_engine import FakeAsyncLLM
 
@@ -126,3 +127,22 @@ def test_lora_endpoints_get_declared_answers_and_no_5xx() -> None:
     assert statuses[("POST /v1/load_lora_adapter", 400)] > 10, statuses
     assert statuses[("POST /v1/unload_lora_adapter", 404)] > 10, statuses
     assert not any(status >= 500 for _, status in statuses)
+
+
+@pytest.mark.timeout(120)
+def test_embeddings_endpoint_gets_declared_answers_and_no_5xx() -> None:
+    """The same checks on /v1/embeddings of an app over a pooling engine."""
+    pooler = PoolerConfig(pooling_type="LAST", normalize=True, hidden_size=4, is_matryoshka=True)
+    engine = FakeAsyncLLM(pooler_config=pooler)
+    schema = schemathesis.openapi.from_asgi("/openapi.json", build_app(engine))
+    statuses: Counter[tuple[str, int]] = Counter()
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        if operation.path != "/v1/embeddings":
+            continue
+        for mode, count in EXAMPLES.items():
+            _exercise(operation, mode, count, statuses)
+    assert statuses[("POST /v1/embeddings", 200)] > 20, statuses
+    assert statuses[("POST /v1/embeddings", 400)] > 20, statuses
+    assert not any(status >= 500 for _, status in statuses)
+    assert sorted(engine.closed) == sorted(engine.started)

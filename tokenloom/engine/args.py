@@ -100,6 +100,7 @@ class EngineArgs:
         model_config = build(ModelConfig, values, parallel_config=build(ParallelConfig, values))
         scheduler_config = build(SchedulerConfig, values)
         _check_draft_model(scheduler_config)
+        _check_runner(model_config, scheduler_config)
         lora_config = build(LoRAConfig, values)
         frontend_config = build(FrontendConfig, values)
         cache_config = build(CacheConfig, values)
@@ -160,6 +161,18 @@ class EngineArgs:
         given = {arg: value for arg, value in vars(args).items() if arg in ENGINE_OPTIONS}
         model = given.pop("model", None)
         return cls(model, **given)
+
+
+def _check_runner(model_config: ModelConfig, scheduler_config: SchedulerConfig) -> None:
+    """A pooler config needs the pooling runner, which never decodes (nothing to speculate)."""
+    if model_config.runner == "pooling":
+        if scheduler_config.speculative_config is not None:
+            raise ValueError(
+                "speculative_config: the pooling runner never decodes, so it has nothing "
+                "to speculate"
+            )
+    elif model_config.pooler_config is not None:
+        raise ValueError("pooler_config needs runner='pooling' (--runner pooling)")
 
 
 def _check_draft_model(scheduler_config: SchedulerConfig) -> None:

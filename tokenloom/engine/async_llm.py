@@ -18,11 +18,12 @@ while it restarts in the background (failover, ``tokenloom.engine.data_parallel`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, Collection, Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,7 @@ from tokenloom.engine.core_client import AsyncInprocClient, InprocClient, MPClie
 from tokenloom.engine.data_parallel.client import DPClient
 from tokenloom.engine.exceptions import CoreDeadError, EngineDeadError
 from tokenloom.engine.messages import CoreOutputs, EngineCoreRequest
-from tokenloom.engine.output_processor import RequestOutputCollector
+from tokenloom.engine.output_processor import OutputT, RequestOutputCollector
 from tokenloom.engine.protocol import ChatOptions, EngineClient, PromptType, RenderedChat
 from tokenloom.engine.recovery import resumed_request
 from tokenloom.engine.setup import EngineSetup
@@ -40,7 +41,9 @@ from tokenloom.lora_request import LoRARequest
 from tokenloom.metrics.stats import IterationStats, StatLogger, engine_state
 from tokenloom.multimodal.chat import remote_image_urls
 from tokenloom.multimodal.media import fetch_url
-from tokenloom.outputs import RequestOutput, SchedulerStats
+from tokenloom.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput, SchedulerStats
+from tokenloom.pooling.config import PoolerConfig
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -77,6 +80,8 @@ class AsyncLLM(EngineClient):
         self.model_name = setup.engine_args.get_served_model_name()
         self.data_parallel_size = setup.config.parallel_config.data_parallel_size
         self.max_model_len = client.max_model_len
+        # None unless the engine runs the pooling runner (then it embeds, never generates).
+        self.pooler_config: PoolerConfig | None = setup.config.model_config.pooler_config
         front_end = setup.front_end(tokenizer, self.max_model_len, helpers_in_subprocess=True)
         self.input_processor = front_end.input_processor
         self._input_executor = ThreadPoolExecutor(
@@ -237,9 +242,6 @@ class AsyncLLM(EngineClient):
         ``trace_headers``: the caller's W3C trace context, which the request's
         span continues (``--otlp-traces-endpoint``).
         """
-        if self.errored or self._closed:
-            raise self.dead_error
-        loop = asyncio.get_running_loop()
         process = functools.partial(
             self.input_processor.process,
             request_id,
@@ -250,10 +252,51 @@ class AsyncLLM(EngineClient):
             tenant=tenant,
             tenant_weight=tenant_weight,
         )
+        run = self._run_request(request_id, process, RequestOutputCollector(delta), trace_headers)
+        async with contextlib.aclosing(run) as outputs:  # closing us aborts it at once
+            async for output in outputs:
+                yield output
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None,
+        request_id: str,
+        *,
+        priority: int = 0,
+    ) -> AsyncGenerator[PoolingRequestOutput[PoolingOutput], None]:
+        """The pooled output of one prompt (a pooling engine: ``--runner pooling``), as
+        one final item. Raises ``ValueError`` (naming the field) for an invalid
+        request and ``EngineDeadError`` when the engine dies."""
+        process = functools.partial(
+            self.input_processor.process_pooling,
+            request_id,
+            prompt,
+            pooling_params,
+            priority=priority,
+        )
+        collector: RequestOutputCollector[PoolingRequestOutput[PoolingOutput]]
+        collector = RequestOutputCollector(delta=False)
+        async with contextlib.aclosing(self._run_request(request_id, process, collector)) as run:
+            async for output in run:
+                yield output
+
+    async def _run_request(
+        self,
+        request_id: str,
+        process: Callable[[], tuple[str | None, list[EngineCoreRequest]]],
+        collector: RequestOutputCollector[OutputT],
+        trace_headers: Mapping[str, str] | None = None,
+    ) -> AsyncGenerator[OutputT, None]:
+        """Validate a request in the input thread pool (``process``), send it to the
+        core and yield its outputs into ``collector`` until it finishes; a consumer
+        that stops early aborts it."""
+        if self.errored or self._closed:
+            raise self.dead_error
+        loop = asyncio.get_running_loop()
         text, requests = await loop.run_in_executor(self._input_executor, process)
         if self.errored or self._closed:  # it died while we tokenized
             raise self.dead_error
-        collector = RequestOutputCollector(delta)
         self.output_processor.add_request(request_id, text, requests, collector, trace_headers)
         finished = False
         try:

@@ -229,6 +229,7 @@ class EngineCore:
             mm_features=request.mm_features,
             tenant=request.tenant,
             tenant_weight=request.tenant_weight,
+            pooling_params=request.pooling_params,
         )
         self.scheduler.add_request(core_request)
         if self._recorder is not None:

@@ -15,6 +15,7 @@ core request its ``mm_features``.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,8 @@ from tokenloom.multimodal.chat import extract_images, inline_placeholders
 from tokenloom.multimodal.inputs import MultiModalFeatureSpec
 from tokenloom.multimodal.media import MediaLimits
 from tokenloom.multimodal.processing import MultiModalProcessor
+from tokenloom.pooling.config import PoolerConfig
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.reasoning import get_reasoning_parser
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.structured_output.reasoning_gate import ReasoningTokens
@@ -65,6 +68,8 @@ class InputProcessor:
         reasoning_parser: str | None = None,
         multimodal: MultiModalProcessor | None = None,
         media_limits: MediaLimits | None = None,
+        pooler_config: PoolerConfig | None = None,
+        served_model_name: str = "",
     ) -> None:
         """``multimodal``: the model's image processing (None: a text-only model);
         ``media_limits``: what image URLs may name and how large images may be."""
@@ -78,6 +83,9 @@ class InputProcessor:
         )
         self.multimodal = multimodal
         self.media_limits = media_limits or MediaLimits()
+        # A pooling engine's (None: it generates); completes embedding requests.
+        self.pooler_config = pooler_config
+        self.served_model_name = served_model_name
         # The serving front end checks grammars in a helper process (the backend
         # imports torch); the offline LLM checks them in place.
         self.validate_constraints = ConstraintValidator(validate_constraints_in_subprocess)
@@ -91,14 +99,17 @@ class InputProcessor:
         self.max_logprobs = max_logprobs
         self.chat_template = chat_template
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Return ``(prompt text or None, prompt token ids)``."""
+    def tokenize(
+        self, prompt: PromptType, *, max_len: int | None = None
+    ) -> tuple[str | None, list[int]]:
+        """Return ``(prompt text or None, prompt token ids)``; a text prompt over ``max_len``
+        tokens is refused (default: ``max_model_len - 1``, leaving room to generate)."""
         if isinstance(prompt, Mapping):
             fields: Mapping[str, Any] = prompt
             if "prompt" in fields:
-                return self.tokenize(fields["prompt"])
+                return self.tokenize(fields["prompt"], max_len=max_len)
             if "prompt_token_ids" in fields:
-                return self.tokenize(fields["prompt_token_ids"])
+                return self.tokenize(fields["prompt_token_ids"], max_len=max_len)
             raise ValueError("prompt must have a 'prompt' (text) or a 'prompt_token_ids' key")
         if isinstance(prompt, str):
             if not prompt:
@@ -113,8 +124,10 @@ class InputProcessor:
             # Python list: a huge prompt's millions of ids would hold the GIL, and
             # so the event loop, for long.
             (encoding,) = self.tokenizer.backend_tokenizer.encode_batch_fast([prompt])
-            if len(encoding) >= self.max_model_len:
+            if max_len is None and len(encoding) >= self.max_model_len:
                 raise ValueError(self._no_room(len(encoding)))
+            if max_len is not None and len(encoding) > max_len:
+                raise ValueError(self._too_long(len(encoding)))
             return prompt, encoding.ids
         if isinstance(prompt, (list, tuple)):
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -142,6 +155,11 @@ class InputProcessor:
         ``prompt_text`` names the text of a prompt given as token ids (a rendered chat).
         ``tenant`` and ``tenant_weight`` name who sent it (for the fair policy).
         """
+        if self.pooler_config is not None:
+            raise ValueError(
+                "model: this engine runs the pooling runner: it embeds (LLM.embed, "
+                "/v1/embeddings) and does not generate"
+            )
         if not isinstance(params, SamplingParams):
             raise ValueError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
@@ -205,6 +223,54 @@ class InputProcessor:
             for child_id, child_params in children
         ]
 
+    def process_pooling(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> tuple[str | None, list[EngineCoreRequest]]:
+        """Validate one prompt of a pooling (embedding) request; return its text and its
+        core request, its parameters completed from the pooler config. A prompt over
+        the context is refused unless ``truncate_prompt_tokens`` keeps its last tokens."""
+        pooler = self.pooler_config
+        if pooler is None:
+            raise ValueError(
+                "model: this engine generates text; embeddings need an engine started "
+                "with runner='pooling' (--runner pooling)"
+            )
+        if params is not None and not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        params = pooler.request_params(params, self.served_model_name)
+        limit = self.max_model_len
+        truncate = params.truncate_prompt_tokens
+        keep = limit if truncate == -1 else truncate
+        if keep is not None and keep > limit:
+            raise ValueError(
+                f"truncate_prompt_tokens ({truncate}) exceeds the maximum context length of "
+                f"{limit} tokens"
+            )
+        text, token_ids = self.tokenize(prompt, max_len=limit if keep is None else sys.maxsize)
+        if keep is not None:
+            token_ids = token_ids[-keep:]
+        self._check_token_ids(token_ids)
+        if len(token_ids) > limit:
+            raise ValueError(self._too_long(len(token_ids)))
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=_POOLING_SAMPLING,
+            eos_token_id=None,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+            pooling_params=params,
+        )
+        return text, [request]
+
     def check_adapter(self, lora_request: LoRARequest) -> None:
         """Refuse an adapter the engine could not load (LoRA off, bad path, rank
         above max_lora_rank, shapes of another model) or an id reused for another path."""
@@ -265,7 +331,7 @@ class InputProcessor:
         if self.multimodal is not None:
             self.multimodal.shutdown()
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _check_token_ids(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("prompt must not be empty")
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
@@ -273,6 +339,9 @@ class InputProcessor:
             raise ValueError(
                 f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        self._check_token_ids(token_ids)
         num = len(token_ids)
         if num >= self.max_model_len:
             raise ValueError(self._no_room(num))
@@ -295,6 +364,12 @@ class InputProcessor:
             f"maximum context length of {self.max_model_len} tokens"
         )
 
+    def _too_long(self, num_tokens: int) -> str:
+        return (
+            f"prompt is {num_tokens} tokens, more than the maximum context length of "
+            f"{self.max_model_len} tokens (truncate_prompt_tokens keeps its last tokens)"
+        )
+
     def _with_eos_stops(self, params: SamplingParams) -> SamplingParams:
         extra = self.eos_token_ids[1:]
         if params.ignore_eos or not extra:
@@ -302,6 +377,10 @@ class InputProcessor:
         stops = list(params.stop_token_ids or [])
         stops += [t for t in extra if t not in stops]
         return dataclasses.replace(params, stop_token_ids=stops)
+
+
+# What a pooling request carries as sampling parameters: it never samples.
+_POOLING_SAMPLING = SamplingParams(max_tokens=1)
 
 
 def eos_token_ids(arch_eos_ids: list[int], tokenizer: PreTrainedTokenizerFast) -> list[int]:

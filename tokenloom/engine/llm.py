@@ -1,20 +1,30 @@
-"""``LLM``: offline batch generation with the engine core in this process."""
+"""``LLM``: offline batch generation (and embedding, with ``runner="pooling"``) with the
+engine core in this process."""
 
 from __future__ import annotations
 
 import itertools
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import msgspec
 
 from tokenloom.engine.args import EngineArgs
 from tokenloom.engine.core_client import InprocClient
 from tokenloom.engine.messages import EngineCoreRequest
+from tokenloom.engine.output_processor import AnyRequestOutput
 from tokenloom.engine.protocol import ChatOptions, PromptType
 from tokenloom.engine.setup import EngineSetup
 from tokenloom.lora_request import LoRARequest
 from tokenloom.metrics.stats import IterationStats, StatLogger
-from tokenloom.outputs import RequestOutput
+from tokenloom.outputs import (
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -92,7 +102,48 @@ class LLM:
                     *self.input_processor.process(request_id, prompt, params, lora_request=lora),
                 )
             )
-        return self._run(batch, use_tqdm)
+        return cast(list[RequestOutput], self._run(batch, use_tqdm))
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        """One ``PoolingRequestOutput`` per prompt (its pooled vector in
+        ``outputs.data``); needs ``runner="pooling"``. Each prompt is prefilled,
+        possibly in chunks, batched with the others, and never decodes."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_list(pooling_params, PoolingParams, len(prompt_list), "pooling_params")
+        batch = []
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            request_id = self._next_id()
+            batch.append(
+                (request_id, *self.input_processor.process_pooling(request_id, prompt, params))
+            )
+        return cast(list[PoolingRequestOutput[PoolingOutput]], self._run(batch, use_tqdm))
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``outputs.embedding``), in order; needs
+        ``runner="pooling"``. ``truncate_prompt_tokens`` keeps each prompt's last
+        tokens (-1: the context length), for every prompt without its own."""
+        if truncate_prompt_tokens is not None:
+            count = len(_as_prompt_list(prompts))
+            pooling_params = [
+                p
+                if p.truncate_prompt_tokens is not None
+                else msgspec.structs.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                for p in _as_list(pooling_params, PoolingParams, count, "pooling_params")
+            ]
+        outputs = self.encode(prompts, pooling_params, use_tqdm)
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
 
     def chat(
         self,
@@ -129,7 +180,7 @@ class LLM:
                 request_id, rendered.prompt, params, prompt_text=rendered.text
             )
             batch.append((request_id, text, requests))
-        return self._run(batch, use_tqdm)
+        return cast(list[RequestOutput], self._run(batch, use_tqdm))
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget the prefix cache (for example between benchmark runs); False if it could not."""
@@ -140,9 +191,9 @@ class LLM:
 
     def _run(
         self, batch: list[tuple[str, str | None, list[EngineCoreRequest]]], use_tqdm: bool
-    ) -> list[RequestOutput]:
+    ) -> list[AnyRequestOutput]:
         order: list[str] = []
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, AnyRequestOutput] = {}
         for request_id, text, requests in batch:
             self.output_processor.add_request(request_id, text, requests)
             order.append(request_id)
@@ -205,15 +256,23 @@ def _as_prompt_list(prompts: object) -> list[PromptType]:
 def _as_params_list(
     params: SamplingParams | Sequence[SamplingParams] | None, count: int
 ) -> list[SamplingParams]:
+    return _as_list(params, SamplingParams, count, "sampling_params")
+
+
+P = TypeVar("P", SamplingParams, PoolingParams)
+
+
+def _as_list(params: P | Sequence[P] | None, kind: type[P], count: int, name: str) -> list[P]:
+    """One parameters object per prompt: the default, one for all, or one each."""
     if params is None:
-        return [SamplingParams()] * count
-    if isinstance(params, SamplingParams):
+        return [kind()] * count
+    if isinstance(params, kind):
         return [params] * count
-    params_list = list(params)
+    params_list = list(params)  # type: ignore[arg-type]
     if len(params_list) != count:
         raise ValueError(
-            f"sampling_params has {len(params_list)} entries for {count} prompts; "
-            "pass one SamplingParams or one per prompt"
+            f"{name} has {len(params_list)} entries for {count} prompts; "
+            f"pass one {kind.__name__} or one per prompt"
         )
     return params_list
 

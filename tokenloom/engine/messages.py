@@ -13,6 +13,7 @@ import msgspec
 from tokenloom.lora_request import LoRARequest
 from tokenloom.multimodal.inputs import MultiModalFeatureSpec
 from tokenloom.outputs import EngineCoreOutputs
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     them like a preemption and continues after them. ``mm_features``: the
     prompt's images, processed (``tokenloom.multimodal.inputs``). ``tenant`` and
     ``tenant_weight``: who sent it and that tenant's share under the fair policy.
+    ``pooling_params``: an embedding request, finished with its pooled vector.
     """
 
     request_id: str
@@ -37,6 +39,8 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     mm_features: list[MultiModalFeatureSpec] | None = None
     tenant: str = ""
     tenant_weight: float = 1.0
+    # A pooling request (``sampling_params`` is then unused); None: it generates.
+    pooling_params: PoolingParams | None = None
 
 
 class AbortRequests(msgspec.Struct, tag=True):

@@ -6,7 +6,9 @@ logprobs; a ``_ParentState`` per user request gathers its ``n`` sequences
 request's ``RequestOutputCollector`` (``AsyncLLM``) or, without one, are
 returned once the request has finished (``LLM``). Stop strings are found
 here, so the ids of requests they ended are handed back for aborting in the
-core. Latencies for ``IterationStats`` are measured here too.
+core. Latencies for ``IterationStats`` are measured here too. A pooling
+request (``EngineCoreRequest.pooling_params``) is one sequence that ends with
+its pooled vector: its output is a ``PoolingRequestOutput``.
 """
 
 from __future__ import annotations
@@ -14,20 +16,32 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.engine.messages import EngineCoreRequest
 from tokenloom.engine.recovery import InFlight
 from tokenloom.metrics.stats import FinishedRequestStats, IterationStats, RequestTimeline
-from tokenloom.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprobs
+from tokenloom.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    TokenLogprobs,
+)
 from tokenloom.request import FinishReason
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-class RequestOutputCollector:
+OutputT = TypeVar("OutputT", RequestOutput, PoolingRequestOutput[PoolingOutput])
+# What a request hands its consumer: a RequestOutput, or a pooling request's output.
+AnyRequestOutput = RequestOutput | PoolingRequestOutput[PoolingOutput]
+
+
+class RequestOutputCollector(Generic[OutputT]):
     """The latest output of one request, for one consumer.
 
     A slow consumer does not build a backlog: with ``delta`` outputs new pieces
@@ -36,22 +50,22 @@ class RequestOutputCollector:
 
     def __init__(self, delta: bool) -> None:
         self.delta = delta
-        self._output: RequestOutput | None = None
+        self._output: OutputT | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
 
-    def put(self, output: RequestOutput) -> None:
+    def put(self, output: OutputT) -> None:
         if self._output is None or not self.delta:
             self._output = output
         else:
-            _merge_delta(self._output, output)
+            _merge_delta(cast(RequestOutput, self._output), cast(RequestOutput, output))
         self._ready.set()
 
     def put_error(self, error: BaseException) -> None:
         self._error = error
         self._ready.set()
 
-    async def get(self) -> RequestOutput:
+    async def get(self) -> OutputT:
         while self._output is None:
             if self._error is not None:
                 raise self._error
@@ -86,7 +100,7 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
 class OutputProcessorOutput:
     """Finished outputs with no collector (``LLM``), and core requests to abort."""
 
-    request_outputs: list[RequestOutput] = field(default_factory=list)
+    request_outputs: list[AnyRequestOutput] = field(default_factory=list)
     reqs_to_abort: list[str] = field(default_factory=list)
 
 
@@ -122,6 +136,8 @@ class _SequenceState:
         self.num_cached_tokens = 0
         # A KV connector's params for this completion (set on its last output).
         self.kv_transfer_params: dict | None = None
+        # A pooling request's vector, once its prompt is computed (little-endian float32).
+        self.pooled: bytes | None = None
         # What earlier delta outputs already carried.
         self.sent_text = 0
         self.sent_tokens = 0
@@ -138,6 +154,8 @@ class _SequenceState:
 
     def update(self, output: EngineCoreOutput) -> bool:
         """Apply one core output; True when a stop string ended the sequence here."""
+        if output.pooling_output is not None:
+            self.pooled = output.pooling_output
         new_ids = output.new_token_ids
         self.token_ids.extend(new_ids)
         if self.want_logprobs and output.new_logprobs:
@@ -222,10 +240,12 @@ class _ParentState:
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
-        collector: RequestOutputCollector | None,
+        collector: RequestOutputCollector[Any] | None,
         trace_headers: Mapping[str, str] | None = None,
+        pooling: bool = False,
     ) -> None:
         self.request_id = request_id
+        self.pooling = pooling
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.collector = collector
@@ -236,7 +256,16 @@ class _ParentState:
     def finished(self) -> bool:
         return all(s.finished for s in self.sequences)
 
-    def make_output(self, changed: Iterable[_SequenceState]) -> RequestOutput:
+    def make_output(self, changed: Iterable[_SequenceState]) -> AnyRequestOutput:
+        if self.pooling:
+            (seq,) = self.sequences
+            return PoolingRequestOutput(
+                request_id=self.request_id,
+                outputs=PoolingOutput(seq.pooled or b""),
+                prompt_token_ids=self.prompt_token_ids,
+                finished=self.finished,
+                num_cached_tokens=seq.num_cached_tokens,
+            )
         delta = self.collector is not None and self.collector.delta
         sequences = sorted(changed, key=lambda s: s.index) if delta else self.sequences
         return RequestOutput(
@@ -269,11 +298,12 @@ class OutputProcessor:
         request_id: str,
         prompt: str | None,
         child_requests: list[EngineCoreRequest],
-        collector: RequestOutputCollector | None = None,
+        collector: RequestOutputCollector[Any] | None = None,
         trace_headers: Mapping[str, str] | None = None,
     ) -> None:
-        """Track a user request whose completions are ``child_requests`` (index order);
-        ``trace_headers``: the W3C trace context it came with (request tracing)."""
+        """Track a user request whose completions are ``child_requests`` (index order;
+        a pooling request has one); ``trace_headers``: the W3C trace context it came
+        with (request tracing)."""
         ids = [request_id] + [c.request_id for c in child_requests if c.request_id != request_id]
         taken = [i for i in ids if i in self]
         if taken:
@@ -284,6 +314,7 @@ class OutputProcessor:
             child_requests[0].prompt_token_ids,
             collector=collector,
             trace_headers=trace_headers,
+            pooling=child_requests[0].pooling_params is not None,
         )
         for index, child in enumerate(child_requests):
             state = _SequenceState(parent, index, child, self._tokenizer)
@@ -380,6 +411,8 @@ class OutputProcessor:
     ) -> None:
         num_new = len(output.new_token_ids)
         if num_new == 0:
+            if output.pooling_output is not None:  # a pooled prompt counts as prompt tokens
+                stats.num_prompt_tokens += len(seq.parent.prompt_token_ids)
             return
         stats.num_generation_tokens += num_new
         if seq.first_token_time is None:

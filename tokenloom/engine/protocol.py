@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.lora_request import LoRARequest
-from tokenloom.outputs import RequestOutput
+from tokenloom.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from tokenloom.pooling.config import PoolerConfig
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -88,6 +90,8 @@ class EngineClient(Protocol):
     data_parallel_size: int
     tokenizer: PreTrainedTokenizerFast
     stat_loggers: list[StatLogger]
+    # The pooling runner's config; None when the engine generates (and cannot embed).
+    pooler_config: PoolerConfig | None
 
     @property
     def errored(self) -> bool:
@@ -139,6 +143,22 @@ class EngineClient(Protocol):
         Tokenization and validation run off the event loop. Raises ``ValueError``
         (naming the field) for an invalid request, ``EngineDeadError`` when the
         engine dies. Closing the iterator early aborts the request.
+        """
+        ...
+
+    def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None,
+        request_id: str,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[PoolingRequestOutput[PoolingOutput]]:
+        """The pooled output of one prompt on a pooling engine, as one final item.
+
+        Raises ``ValueError`` (naming the field: ``prompt``, ``dimensions``,
+        ``truncate_prompt_tokens``, ...) for an invalid request and
+        ``EngineDeadError`` when the engine dies.
         """
         ...
 

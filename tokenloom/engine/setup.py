@@ -11,8 +11,10 @@ the front end's process never loads it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from tokenloom.engine.args import EngineArgs, EngineConfig
@@ -22,6 +24,7 @@ from tokenloom.metrics.stats import LoggingStatLogger, StatLogger
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.multimodal.media import MediaLimits
 from tokenloom.multimodal.processing import MultiModalProcessor
+from tokenloom.pooling.config import resolve_pooler_config
 from tokenloom.reasoning import get_reasoning_parser
 from tokenloom.structured_output.reasoning_gate import ReasoningTokens
 
@@ -29,6 +32,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
     from tokenloom.metrics.tracing import RequestTracer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,12 @@ class EngineSetup:
 
         config = engine_args.config
         path = resolve_model_path(config.model_config.model, config.model_config.revision)
-        model_config = dataclasses.replace(config.model_config, model=str(path))
+        arch = load_arch_config(path)
+        model_config = dataclasses.replace(
+            config.model_config,
+            model=str(path),
+            **_runner_settings(config.model_config, path, arch),
+        )
         located = dataclasses.replace(config, model_config=model_config)
         tracer = None
         endpoint = config.frontend_config.otlp_traces_endpoint
@@ -70,7 +80,7 @@ class EngineSetup:
             from tokenloom.metrics.tracing import RequestTracer
 
             tracer = RequestTracer.to_endpoint(engine_args.get_served_model_name(), endpoint)
-        return cls(engine_args, located, load_arch_config(path), tracer)
+        return cls(engine_args, located, arch, tracer)
 
     @property
     def core_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig | None]:
@@ -136,8 +146,22 @@ class EngineSetup:
             validate_constraints_in_subprocess=helpers_in_subprocess,
             multimodal=multimodal,
             media_limits=limits,
+            pooler_config=self.config.model_config.pooler_config,
+            served_model_name=self.engine_args.get_served_model_name(),
         )
         stat_loggers: list[StatLogger] = [LoggingStatLogger()] if frontend.log_stats else []
         if self.tracer is not None:
             stat_loggers.append(self.tracer)
         return FrontEnd(tokenizer, input_processor, OutputProcessor(tokenizer), stat_loggers)
+
+
+def _runner_settings(
+    model_config: ModelConfig, path: Path, arch: ModelArchConfig
+) -> dict[str, Any]:
+    """The runner ``auto`` stands for (generate: every supported architecture is a
+    causal LM) and, for a pooling runner, its pooler config completed for the model."""
+    if model_config.runner != "pooling":
+        return {"runner": "generate"}
+    pooler_config = resolve_pooler_config(model_config.pooler_config, path, arch.hidden_size)
+    logger.info("pooling runner: %s", pooler_config.describe())
+    return {"runner": "pooling", "pooler_config": pooler_config}

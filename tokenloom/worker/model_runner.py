@@ -10,6 +10,10 @@ the ``Speculator`` verifies them (exact match, or rejection sampling for a
 draft model's drafts: ``spec_decode/verifier.py``) and, after the step,
 proposes the next drafts, which the engine core collects with
 ``take_draft_token_ids``.
+
+With ``--runner pooling`` nothing samples: the ``PoolingRunner``
+(``pooling_runner.py``) pools the final hidden states of each request whose
+prompt the step completes into ``ModelRunnerOutput.pooler_output``.
 """
 
 from __future__ import annotations
@@ -32,12 +36,14 @@ from tokenloom.model.lora import LoRAManager
 from tokenloom.model_loader.loader import load_model
 from tokenloom.ops.cpu_kernels import bind_threads_to_cores
 from tokenloom.outputs import ModelRunnerOutput, TokenLogprobs
+from tokenloom.pooling.config import resolve_pooler_config
 from tokenloom.structured_output.manager import GrammarOutput
 from tokenloom.worker.grammar_bitmask import apply_grammar_bitmask
 from tokenloom.worker.host_malloc import keep_freed_memory, release_freed_memory
 from tokenloom.worker.input_batch import InputBatch
 from tokenloom.worker.kv_connector.base import KVConnectorWorker
 from tokenloom.worker.multimodal import MultiModalRunner
+from tokenloom.worker.pooling_runner import PoolingRunner
 from tokenloom.worker.sampler import Sampler
 from tokenloom.worker.sampling_metadata import SamplingMetadata
 from tokenloom.worker.spec_decode.speculator import Speculator
@@ -176,6 +182,14 @@ class ModelRunner:
                 share=scheduler_config.enable_encoder_cache,
             )
             self.max_tokens_per_mm_item = self.multimodal.max_tokens_per_item
+        # The pooling runner's side (--runner pooling): requests are pooled, never sampled.
+        self.pooler: PoolingRunner | None = None
+        if model_config.runner == "pooling":
+            self.pooler = PoolingRunner(
+                resolve_pooler_config(
+                    model_config.pooler_config, self.model_path, self.arch.hidden_size
+                )
+            )
 
     def _num_kv_blocks(self) -> int:
         """Explicit ``num_blocks``, else ``memory_bytes`` or ``memory_fraction`` of free
@@ -260,6 +274,8 @@ class ModelRunner:
             self._track_adapters(scheduler_output)
         if self.multimodal is not None:
             self.multimodal.update(scheduler_output)
+        if self.pooler is not None:
+            self.pooler.update_requests(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return self._output([], [], None)
         step = prepare_step(self.input_batch, scheduler_output)
@@ -281,7 +297,9 @@ class ModelRunner:
             embeds, positions = None, step.positions
             if self.multimodal is not None:
                 embeds, positions = self.multimodal.prepare(step)
-            if len(step.row_slots) == 0:
+            if self.pooler is not None:
+                output = self._pool(step, positions, embeds, attn_metadata, self.pooler)
+            elif len(step.row_slots) == 0:
                 self.model(
                     step.input_ids, positions, self.kv_caches, attn_metadata, inputs_embeds=embeds
                 )
@@ -324,6 +342,27 @@ class ModelRunner:
                 # included), where every token is a logits row as a draft is:
                 # prefill tokens cost less (no logits, no sampling).
                 speculator.observe_step(num_tokens, time.perf_counter() - started)
+        return output
+
+    def _pool(
+        self,
+        step: StepInputs,
+        positions: torch.Tensor,
+        embeds: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+        pooler: PoolingRunner,
+    ) -> ModelRunnerOutput:
+        """Run the step for pooling requests: the final hidden states of the rows the
+        pooler reads, pooled for each request whose prompt completes."""
+        keep = pooler.keep_rows(step)
+        inputs = (step.input_ids, positions, self.kv_caches, attn_metadata)
+        if keep is not None and len(keep) == 0:  # no row to read: write the KV cache only
+            hidden = self.model(*inputs, inputs_embeds=embeds)[:0]
+        else:
+            hidden = self.model(*inputs, keep_rows=keep, inputs_embeds=embeds)
+        pooled = pooler.pool(step, hidden)
+        output = self._output(step.req_ids, [[] for _ in step.req_ids], None)
+        output.pooler_output = pooled
         return output
 
     def _sample(

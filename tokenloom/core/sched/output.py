@@ -11,6 +11,7 @@ from typing import Any
 
 from tokenloom.lora_request import LoRARequest
 from tokenloom.multimodal.inputs import MultiModalFeatureSpec
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -33,6 +34,8 @@ class NewRequestData:
     # The prompt's images, with their arrays (the runner keeps them until the request
     # finishes, so a resumed request brings none).
     mm_features: list[MultiModalFeatureSpec] | None = None
+    # A pooling request's parameters (it is pooled, never sampled); None: it generates.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass

@@ -45,6 +45,12 @@ Other choices worth knowing:
   step's bitmask for the structured requests that sample in it; drafts of a
   structured request are cut at the first token its grammar refuses. A
   reasoning model's request (``reasoning_gate``) gets no row while it thinks.
+* Pooling requests (``Request.pooling_params``) are scheduled like any
+  prompt, chunked and batched with the others, and finish as
+  ``FINISHED_STOPPED`` in the step whose runner output carries their pooled
+  vector (``ModelRunnerOutput.pooler_output``, sent on in
+  ``EngineCoreOutput.pooling_output``): they never decode. Those whose pooling
+  reads every token skip prefix-cache hits (``skip_reading_prefix_cache``).
 * Requests preempted by ``reset_prefix_cache(reset_running_requests=True)``
   are reported in the next ``preempted_req_ids``; that step admits nothing,
   so the runner drops them before they are resumed.
@@ -102,7 +108,7 @@ from tokenloom.outputs import (
     SchedulerStats,
     SpecDecodingStats,
 )
-from tokenloom.request import Request, RequestStatus
+from tokenloom.request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
     from tokenloom.core.kv_cache.block import KVCacheBlocks
@@ -585,14 +591,16 @@ class Scheduler(SchedulerInterface):
                 continue
             # Only a request whose KV a connector loaded arrives with computed tokens.
             num_loaded = request.num_computed_tokens
+            pooling = request.pooling_params
             if num_loaded:
                 computed_blocks, num_cached = None, num_loaded
-            elif caching:
+            elif caching and (pooling is None or not pooling.skip_reading_prefix_cache):
                 computed_blocks, num_cached = manager.get_computed_blocks(request)
             else:
                 computed_blocks, num_cached = None, 0
             num_external, load_async = 0, False
-            if kv is not None and not num_loaded:
+            # A pooling request needs its prompt's hidden states, which stored KV lacks.
+            if kv is not None and not num_loaded and pooling is None:
                 matched = kv.match(request, num_cached)
                 if matched is None:  # the connector cannot tell yet
                     skipped.append(waiting.pop())
@@ -681,6 +689,7 @@ class Scheduler(SchedulerInterface):
                         lora_request=request.lora_request,
                         output_token_ids=list(request.output_token_ids),
                         mm_features=request.mm_features,
+                        pooling_params=request.pooling_params,
                     ),
                     num_new,
                 )
@@ -945,6 +954,10 @@ class Scheduler(SchedulerInterface):
                 client_outputs.append(last)
                 finished.append((request, last))
 
+        pooler_output = model_runner_output.pooler_output
+        if pooler_output is not None:
+            self._finish_pooled(req_ids, pooler_output, per_client, finished)
+
         finished_ids: dict[int, set[str]] = {}
         if finished:
             free = self.kv_cache_manager.free
@@ -991,6 +1004,32 @@ class Scheduler(SchedulerInterface):
             first = min(result) if result else 0
             result.setdefault(first, EngineCoreOutputs()).scheduler_stats = self.make_stats()
         return result
+
+    def _finish_pooled(
+        self,
+        req_ids: list[str],
+        pooler_output: list[bytes | None],
+        per_client: dict[int, list[EngineCoreOutput]],
+        finished: list[tuple[Request, EngineCoreOutput]],
+    ) -> None:
+        """Finish the pooling requests whose pooled output came back: their last
+        prompt token was computed, and a pooling request never decodes."""
+        for req_id, pooled in zip(req_ids, pooler_output, strict=True):
+            if pooled is None:
+                continue  # a partial prefill
+            request = self.requests.get(req_id)
+            if request is None or request.status is not _RUNNING:
+                continue
+            request.status = RequestStatus.FINISHED_STOPPED
+            last = EngineCoreOutput(
+                req_id,
+                [],
+                FinishReason.STOP,
+                num_cached_tokens=request.num_cached_tokens,
+                pooling_output=pooled,
+            )
+            finished.append((request, last))
+            per_client.setdefault(request.client_index, []).append(last)
 
     def _observe_drafts(self, num_drafts: int, num_accepted: int) -> None:
         stats = self._spec_stats

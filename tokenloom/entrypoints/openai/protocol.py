@@ -256,6 +256,22 @@ def _response_format_constraint(fmt: ResponseFormat | None) -> StructuredOutputs
     return StructuredOutputsParams(json=fmt.json_schema.json_schema)
 
 
+def as_batch(
+    value: str | list[str] | list[int] | list[list[int]], param: str
+) -> list[str | list[int]]:
+    """A prompt field (a text, texts, token ids, or token-id lists) as a non-empty list
+    of prompts; an empty one is a 400 naming ``param``."""
+    if isinstance(value, str):
+        batch: list[Any] = [value]
+    elif value and all(isinstance(t, int) for t in value):
+        batch = [value]
+    else:
+        batch = list(value)
+    if not batch:
+        raise OpenAIError(f"{param} must not be empty", param=param)
+    return batch
+
+
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions. ``prompt`` may be text, token ids, or a batch of either."""
 
@@ -269,15 +285,7 @@ class CompletionRequest(_SamplingRequest):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a non-empty batch."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            batch: list[Any] = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            batch = [prompt]
-        else:
-            batch = list(prompt)
-        if not batch:
-            raise OpenAIError("prompt must not be empty", param="prompt")
+        batch = as_batch(self.prompt, "prompt")
         if len(batch) * self.n > MAX_SEQUENCES_PER_REQUEST:
             raise OpenAIError(
                 f"a request may ask for at most {MAX_SEQUENCES_PER_REQUEST} completions "
@@ -298,6 +306,33 @@ class CompletionRequest(_SamplingRequest):
                 param="echo",
             )
         return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings (OpenAI's shape, vLLM's extensions). ``input`` is a text, a
+    list of texts, token ids, or a list of token-id lists; each item is one embedding."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    # Matryoshka models only; checked by the engine against the model.
+    dimensions: int | None = _documented(minimum=1)
+    user: str | None = None
+    truncate_prompt_tokens: int | None = _documented(minimum=-1)
+    normalize: bool | None = None
+    priority: int = _documented(0, minimum=INT64_MIN, maximum=INT64_MAX)
+
+    def inputs(self) -> list[str | list[int]]:
+        """The input as a non-empty batch of at most MAX_SEQUENCES_PER_REQUEST items."""
+        batch = as_batch(self.input, "input")
+        if len(batch) > MAX_SEQUENCES_PER_REQUEST:
+            raise OpenAIError(
+                f"input may hold at most {MAX_SEQUENCES_PER_REQUEST} items, got {len(batch)}",
+                param="input",
+            )
+        return batch
 
 
 class TextContentPart(BaseModel):
@@ -458,6 +493,22 @@ class UsageInfo(BaseModel):
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
         )
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    # Floats, or (encoding_format base64) the little-endian float32 bytes in base64.
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
 
 
 class CompletionLogProbs(BaseModel):

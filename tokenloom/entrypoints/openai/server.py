@@ -42,6 +42,8 @@ from .protocol import (
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorResponse,
     LoadLoRAAdapterRequest,
     ModelCard,
@@ -56,6 +58,7 @@ from .serving_base import (
 )
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
+from .serving_embedding import OpenAIServingEmbedding
 from .serving_lora import LoRAAdapters
 from .serving_tokenization import (
     DetokenizeRequest,
@@ -175,6 +178,10 @@ def build_app(
     lora_bodies: list[type[BaseModel]] = (
         [LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest] if enable_lora else []
     )
+    # A pooling engine embeds: /v1/embeddings is its route (and only its, as in vLLM).
+    embedding_bodies: list[type[BaseModel]] = (
+        [EmbeddingRequest] if engine.pooler_config is not None else []
+    )
     install_openapi(
         app,
         [
@@ -183,6 +190,7 @@ def build_app(
             TokenizeCompletionRequest,
             TokenizeChatRequest,
             DetokenizeRequest,
+            *embedding_bodies,
             *lora_bodies,
         ],
         [CompletionChunk, ChatCompletionChunk],
@@ -225,6 +233,18 @@ def build_app(
     async def detokenize(raw_request: Request) -> Response:
         request = await parse_body(raw_request, DetokenizeRequest, max_request_bytes)
         return JSONResponse((await tokenization.detokenize(request)).model_dump())
+
+    if embedding_bodies:
+        embeddings = OpenAIServingEmbedding(serving)
+
+        @app.post(
+            "/v1/embeddings",
+            openapi_extra=json_body(EmbeddingRequest),
+            responses={200: {"model": EmbeddingResponse}, **ERROR_RESPONSES},
+        )
+        async def create_embedding(raw_request: Request) -> Response:
+            request = await parse_body(raw_request, EmbeddingRequest, max_request_bytes)
+            return await embeddings.create(request, raw_request)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""What the completions and chat handlers share: admission, engine calls, disconnects.
+"""What the completions, chat and embeddings handlers share: admission, engine calls, disconnects.
 
 The engine's ``generate`` is an async generator that aborts its request
 when it is closed or cancelled; everything here is arranged so that a
@@ -21,7 +21,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, aclosing, nullcontext
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -32,7 +32,8 @@ from starlette.requests import ClientDisconnect
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.protocol import EngineClient, PromptType
 from tokenloom.lora_request import LoRARequest
-from tokenloom.outputs import RequestOutput
+from tokenloom.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 from .body import decode_body
@@ -309,8 +310,6 @@ class OpenAIServing:
         The request runs as its tenant (the HTTP request's lease), which is told
         of its tokens as they come.
         """
-        self._num_not_started += 1
-        started = False
         lease = current_lease.get()
         tenant = lease.tenant if lease is not None else None
         stream = self.engine.generate(
@@ -329,25 +328,58 @@ class OpenAIServing:
             self.adapters.in_use(lora_request) if self.adapters is not None else nullcontext()
         )
         with in_use:
-            try:
-                async for output in stream:
+            async with aclosing(self._admitted(stream, fields, prompt_param)) as outputs:
+                started = False
+                async for output in outputs:
                     if lease is not None:
                         tokens = sum(len(out.token_ids) for out in output.outputs)
                         if not delta:  # cumulative outputs: count what is new
                             tokens, num_generated = tokens - num_generated, tokens
                         lease.on_output(0 if started else len(output.prompt_token_ids), tokens)
-                    if not started:
-                        started = True
-                        self._num_not_started -= 1
+                    started = True
                     yield output
-            except ValueError as exc:
-                raise from_value_error(exc, fields, prompt_param) from exc
-            except EngineDeadError as exc:
-                raise OpenAIError(f"the engine is dead: {exc}", status=500) from exc
-            finally:
+
+    async def encode(
+        self,
+        prompt: str | list[int],
+        params: PoolingParams,
+        request_id: str,
+        *,
+        priority: int,
+        fields: Mapping[str, str],
+        prompt_param: str,
+    ) -> AsyncIterator[PoolingRequestOutput[PoolingOutput]]:
+        """``engine.encode`` (a pooling request) with errors mapped to OpenAIError and
+        admission bookkeeping; its prompt tokens count against its tenant's limits."""
+        lease = current_lease.get()
+        stream = self.engine.encode(prompt, params, request_id, priority=priority)
+        async with aclosing(self._admitted(stream, fields, prompt_param)) as outputs:
+            async for output in outputs:
+                if lease is not None:
+                    lease.on_output(len(output.prompt_token_ids), 0)
+                yield output
+
+    async def _admitted(
+        self, stream: AsyncIterator[T], fields: Mapping[str, str], prompt_param: str
+    ) -> AsyncGenerator[T]:
+        """``stream``, counted as waiting until its first output; a ``ValueError``
+        becomes a 400 naming the field (``prompt_param`` when it names none)."""
+        self._num_not_started += 1
+        started = False
+        try:
+            async for output in stream:
                 if not started:
+                    started = True
                     self._num_not_started -= 1
-                await _aclose(stream)
+                yield output
+        except ValueError as exc:
+            raise from_value_error(exc, fields, prompt_param) from exc
+        except EngineDeadError as exc:
+            raise OpenAIError(f"the engine is dead: {exc}", status=500) from exc
+        finally:
+            if not started:
+                self._num_not_started -= 1
+            await _aclose(stream)
 
     async def until_ready(
         self,
