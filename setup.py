@@ -106,5 +106,6 @@ setup(
         # Tool calls are validated against their function's schema before a client sees them.
         "jsonschema>=4.20",
         "pyyaml>=6.0",  # --tenants files in YAML
+        "pillow>=10.0",  # images in prompts (chat image parts, multi_modal_data)
     ],
 )
