@@ -72,8 +72,11 @@ def test_unknown_architecture(tmp_path: Path) -> None:
 
 def test_unsupported_rope_scaling_and_activation(tmp_path: Path) -> None:
     path = _tiny_dir(tmp_path)
-    _edit_config(path, rope_parameters={"rope_type": "mrope", "factor": 4.0, "rope_theta": 1e4})
-    with pytest.raises(ValueError, match="mrope"):
+    # A type no family uses here (mrope is served: Qwen2.5-VL's frequencies are plain RoPE's).
+    _edit_config(
+        path, rope_parameters={"rope_type": "ntk-by-parts", "factor": 4.0, "rope_theta": 1e4}
+    )
+    with pytest.raises(ValueError, match="ntk-by-parts"):
         load_arch_config(path)
     _edit_config(path, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     _edit_config(path, hidden_act="gelu")
