@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tokenloom.default_model import default_model_path as default_gguf_path
+
+# Without a GPU the CUDA backend's Triton kernels run in Triton's interpreter, on
+# the CPU; it must be chosen before any kernel is defined.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")
