@@ -13,7 +13,8 @@ Build without build isolation, against the torch that will run the code
 .``): the library links against that torch's C++ ABI, so the project requires
 exactly that torch version. ``TOKENLOOM_BUILD_VARIANTS`` chooses the variants:
 ``all`` (the default, what a wheel for other machines needs), ``host`` (the one
-this CPU runs best: ``make setup``), or names (``avx2,avx512_bf16``).
+this CPU runs best: ``make setup``), names (``avx2,avx512_bf16``), or ``none``
+(a pure-Python wheel for CUDA machines, which run the Triton kernels instead).
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ variants = runpy.run_path(str(ROOT / "tokenloom" / "ops" / "cpu_variants.py"))
 
 def selected_variants() -> list:
     """The variants TOKENLOOM_BUILD_VARIANTS asks for: ``all`` (the default) of
-    this architecture's, ``host`` the one this CPU runs best, or names."""
+    this architecture's, ``host`` the one this CPU runs best, names, or ``none``."""
     machine = platform.machine()
     names = os.environ.get("TOKENLOOM_BUILD_VARIANTS", "").strip() or "all"
+    if names == "none":
+        return []
     if names == "all":
         return list(variants["variants_for"](machine))
     if names == "host":

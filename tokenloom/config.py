@@ -370,6 +370,14 @@ class CacheConfig:
         help="KV cache size in bytes (default: --kv-cache-memory-fraction of free memory; "
         "--num-blocks wins over both)",
     )
+    # vLLM's meaning: weights, activations and cache together stay under this share.
+    gpu_memory_utilization: float = option(
+        0.9,
+        gt=0,
+        le=1,
+        help="on CUDA, the share of the GPU's total memory the engine may use, weights "
+        "included; the KV cache takes what the weights and a profiled step leave",
+    )
     # A 16-bit cache under a float32 model halves what decode attention reads.
     cache_dtype: Dtype = option(
         "auto",
@@ -477,6 +485,14 @@ class ModelConfig:
         help="cpu, cuda, cuda:N or mps",
     )
     seed: int = option(0, help="random seed of the engine (and of requests that set none)")
+    load_format: Literal["auto", "dummy"] = option(
+        "auto",
+        help="auto: the checkpoint's weights; dummy: random weights of the shapes "
+        "config.json gives, nothing else read (for benchmarks)",
+    )
+    enforce_eager: bool = option(
+        False, help="on CUDA, run every step eagerly instead of replaying captured graphs"
+    )
     # Only tensor_parallel_size concerns the engine core; it travels here to the
     # core's process with the model.
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)

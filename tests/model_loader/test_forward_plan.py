@@ -53,10 +53,6 @@ def test_float32_weights_run_prepacked_through_the_modules() -> None:
             replace(FLOAT32, dtype=torch.bfloat16, weights="bfloat16", unavailable=NO_NATIVE),
             ("torch", "torch", "torch", "modules"),
         ),
-        (
-            replace(FLOAT32, device="cuda", weights="bfloat16", unavailable=NO_NATIVE),
-            ("torch", "torch", "torch", "modules"),
-        ),
         (replace(FLOAT32, tensor_parallel=2), ("mkl", "native", "native", "modules")),
     ],
 )
@@ -65,6 +61,56 @@ def test_other_devices_and_dtypes_take_the_torch_paths(
 ) -> None:
     assert parts(inputs) == expected
     assert decide_plan(inputs).tensor_parallel == inputs.tensor_parallel
+
+
+CUDA = replace(FLOAT32, device="cuda", dtype=torch.bfloat16, weights="bfloat16")
+
+
+@pytest.mark.parametrize(
+    ("change", "expected", "fallback"),
+    [
+        ({}, ("torch", "torch", "triton", "graphs"), None),
+        (
+            {"enforce_eager": True},
+            ("torch", "torch", "triton", "modules"),
+            "decoder=graphs: --enforce-eager runs every step eagerly",
+        ),
+        (
+            {"lora": True},
+            ("torch", "torch", "triton", "modules"),
+            "decoder=graphs: LoRA sets each token's adapter per step",
+        ),
+        (
+            {"tensor_parallel": 2},
+            ("torch", "torch", "triton", "modules"),
+            "decoder=graphs: tensor-parallel ranks exchange partial sums between captured kernels",
+        ),
+        (
+            {"unavailable": {"attention=triton": "Triton is not installed"}},
+            ("torch", "torch", "torch", "modules"),
+            "attention=triton: Triton is not installed",
+        ),
+    ],
+)
+def test_cuda_takes_the_triton_kernel_and_captured_graphs(
+    change: dict, expected: tuple[str, ...], fallback: str | None
+) -> None:
+    inputs = replace(CUDA, **change)
+    plan = decide_plan(inputs)
+    assert parts(inputs) == expected
+    assert fallback is None or fallback in plan.fallbacks, plan.fallbacks
+
+
+def test_triton_on_the_cpu_only_when_asked_under_the_interpreter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bf16 = replace(FLOAT32, dtype=torch.bfloat16, weights="bfloat16", unavailable=NO_NATIVE)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert parts(bf16)[2] == "torch"  # never chosen unasked
+    assert parts(bf16, "attention=triton")[2] == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="the Triton kernels run on CUDA"):
+        decide_plan(bf16, "attention=triton")
 
 
 @pytest.mark.parametrize(

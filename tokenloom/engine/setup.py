@@ -66,7 +66,11 @@ class EngineSetup:
         from tokenloom.model.paths import resolve_model_path
 
         config = engine_args.config
-        path = resolve_model_path(config.model_config.model, config.model_config.revision)
+        path = resolve_model_path(
+            config.model_config.model,
+            config.model_config.revision,
+            config.model_config.load_format != "dummy",
+        )
         arch = load_arch_config(path)
         model_config = dataclasses.replace(
             config.model_config,

@@ -90,7 +90,9 @@ class MultiprocExecutor:
         lora_config: LoRAConfig | None = None,
     ) -> None:
         world_size = model_config.parallel_config.tensor_parallel_size
-        self.model_path = resolve_model_path(model_config.model, model_config.revision)
+        self.model_path = resolve_model_path(
+            model_config.model, model_config.revision, model_config.load_format != "dummy"
+        )
         self.arch = load_arch_config(self.model_path)
         self.eos_token_ids = tuple(self.arch.eos_token_ids)
         check_tensor_parallel_support(self.arch, world_size, scheduler_config, lora_config)

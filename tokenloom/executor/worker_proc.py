@@ -88,7 +88,9 @@ def run_worker(spec: WorkerSpec) -> None:
     receiver = None
     started = time.monotonic()
     try:
-        path = resolve_model_path(model_config.model, model_config.revision)
+        path = resolve_model_path(
+            model_config.model, model_config.revision, model_config.load_format != "dummy"
+        )
         shard = partition(load_arch_config(path), spec.world_size, spec.rank)
         init_tensor_parallel(
             spec.rank, spec.world_size, spec.init_method, torch.device(model_config.device)

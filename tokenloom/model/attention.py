@@ -36,6 +36,12 @@ passes it as ``native_op``), every request with at most ``NATIVE_MAX_QUERY`` new
 tokens is attended by it in one call that reads K/V in place through the block
 table, and only longer chunks take the SDPA path above.
 
+On CUDA the forward plan chooses the Triton kernels (``ops.cuda.paged_attention``):
+``AttentionMetadata.for_kernel`` describes the batch by int32 tensors alone
+(query start offsets, context lengths, block table), and one launch per layer
+attends every request, windows and soft caps included, reading K/V in place.
+Nothing is computed on the host, so a captured CUDA graph replays it.
+
 Sliding-window layers (Mistral, Gemma, Phi-3) attend to the last ``window``
 positions only: ``meta.for_layer(window, native)`` gives a variant of the
 metadata, built once per step and shared by the layers with that window, whose
@@ -50,7 +56,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +108,15 @@ class NativeBatch:
 
 
 @dataclass
+class KernelBatch:
+    """The batch as the Triton kernel reads it: int32 tensors on the model's device."""
+
+    block_table: torch.Tensor  # [>= R, max_blocks]
+    query_start: torch.Tensor  # [R + 1] first token of each request, then the total
+    seq_lens: torch.Tensor  # [R]
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step description of the flat batch, shared by all layers."""
 
@@ -112,6 +127,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     native: NativeBatch | None = None
+    kernel: KernelBatch | None = None  # set: the Triton kernel attends the whole batch
     # The native kernels are loaded (a native_op was given): K/V are written by
     # ``tokenloom_cpu.write_kv`` too.
     native_kv_write: bool = False
@@ -123,28 +139,55 @@ class AttentionMetadata:
     def for_layer(self, window: int | None, native: bool = True) -> AttentionMetadata:
         """This step's metadata for a layer attending to the last ``window`` positions
         (None: all), through the native kernel only if ``native`` and no window."""
-        use_native = native and window is None and self.native is not None
-        if window == self.window and (use_native or self.native is None):
+        # The Triton kernel takes every layer's window itself.
+        use_kernel = self.kernel is not None
+        use_native = not use_kernel and native and window is None and self.native is not None
+        if window == self.window and (use_kernel or use_native or self.native is None):
             return self
         key = (window, use_native)
         if self.variants is None:
             self.variants = {}
         variant = self.variants.get(key)
         if variant is None:
-            assert self.build_args is not None
-            query_lens, seq_lens, block_table, slot_mapping, native_op = self.build_args
-            variant = AttentionMetadata.build(
-                query_lens,
-                seq_lens,
-                block_table,
-                slot_mapping,
-                self.block_size,
-                native_op=native_op if use_native else None,
-                window=window,
-            )
-            variant.native_kv_write = self.native_kv_write
+            if use_kernel:
+                variant = replace(self, window=window, variants=None)
+            else:
+                assert self.build_args is not None
+                query_lens, seq_lens, block_table, slot_mapping, native_op = self.build_args
+                variant = AttentionMetadata.build(
+                    query_lens,
+                    seq_lens,
+                    block_table,
+                    slot_mapping,
+                    self.block_size,
+                    native_op=native_op if use_native else None,
+                    window=window,
+                )
+                variant.native_kv_write = self.native_kv_write
             self.variants[key] = variant
         return variant
+
+    @classmethod
+    def for_kernel(
+        cls,
+        query_start: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_size: int,
+    ) -> AttentionMetadata:
+        """The batch for the Triton kernel, from tensors already on the device:
+        ``query_start`` int32 [R + 1], ``seq_lens`` int32 [R], ``block_table``
+        int32, ``slot_mapping`` int64 [T] (negative: a padded row, not written)."""
+        return cls(
+            num_tokens=slot_mapping.numel(),
+            block_size=block_size,
+            slot_mapping=slot_mapping,
+            num_decodes=0,
+            decode_groups=[],
+            prefills=[],
+            kernel=KernelBatch(block_table, query_start, seq_lens),
+        )
 
     @classmethod
     def build(
@@ -469,6 +512,8 @@ def paged_attention(
 
     ``scale`` defaults to head_dim ** -0.5; ``softcap`` needs a metadata variant
     without the native kernel (``meta.for_layer(window, native=False)``)."""
+    if meta.kernel is not None:
+        return _kernel_attention(q, k, v, k_cache, v_cache, meta, meta.kernel, scale, softcap)
     if meta.native_kv_write:
         torch.ops.tokenloom_cpu.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
@@ -510,4 +555,36 @@ def paged_attention(
         out[s:e] = _prefill_attention(
             q[s:e], k[s:e], v[s:e], k_cache, v_cache, chunk, scale, softcap
         )
+    return out.view(num_tokens, num_heads * head_dim)
+
+
+def _kernel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    batch: KernelBatch,
+    scale: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """The whole batch through the Triton kernels: the K/V write, then one launch."""
+    from tokenloom.ops.cuda import paged_attention as kernels
+
+    kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    kernels.paged_attention(
+        out,
+        q,
+        k_cache,
+        v_cache,
+        batch.block_table,
+        batch.query_start,
+        batch.seq_lens,
+        scale if scale is not None else 1.0 / math.sqrt(head_dim),
+        softcap=softcap,
+        window=meta.window,
+    )
     return out.view(num_tokens, num_heads * head_dim)

@@ -17,9 +17,13 @@ _SUPPORTED = (
 )
 
 
-def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
+def resolve_model_path(
+    model: str | None, revision: str | None = None, need_weights: bool = True
+) -> Path:
     """Validate ``model`` and return the path to load from; None is the bundled default
-    GGUF, and a Hugging Face id (``org/name``) is resolved at ``revision`` by ``hub``."""
+    GGUF, and a Hugging Face id (``org/name``) is resolved at ``revision`` by ``hub``.
+    ``need_weights=False`` (``--load-format dummy``) accepts a directory with a
+    config.json and no weights."""
     if model is None:
         return default_model_path()
     if looks_like_hub_id(model):
@@ -30,7 +34,7 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model directory {path} has no config.json (expected {_SUPPORTED})")
-        if not any(path.glob("*.safetensors")):
+        if need_weights and not any(path.glob("*.safetensors")):
             raise ValueError(
                 f"model directory {path} has no *.safetensors files (expected {_SUPPORTED})"
             )

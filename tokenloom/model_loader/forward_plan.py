@@ -1,7 +1,7 @@
 """The forward plan: which implementation runs each part of the forward pass,
 decided once when the model loads, logged, and exposed as ``ModelRunner.forward_plan``.
 
-The parts, each with its choices best first (the last always runs):
+The parts, each with its choices best first (``torch`` and ``modules`` always run):
 
 - ``matmul``, the projections: ``native`` (quantized weights through the int8
   kernels of ``quantization``), ``mkl`` (float32 weights prepacked for MKL's
@@ -9,13 +9,17 @@ The parts, each with its choices best first (the last always runs):
   dequantized per call);
 - ``layer_ops``, RMSNorm with its residual add, SiLU-and-mul, RoPE and the K/V
   write: ``native`` (``ops.cpu_kernels``) or ``torch``;
-- ``attention``: ``native`` (the CPU kernel reads K/V in place for every
+- ``attention``: on CUDA ``triton`` (one launch per layer for the whole batch,
+  ``ops.cuda.paged_attention``) or ``torch``; on the CPU ``native`` (the CPU kernel reads K/V in place for every
   request of at most ``NATIVE_MAX_QUERY`` new tokens; longer chunks, and the
   layers it cannot compute, take torch SDPA) or ``torch`` (SDPA over gathered
-  blocks);
+  blocks), and ``triton`` only when asked for, under ``TRITON_INTERPRET=1`` (the
+  CUDA kernels in Triton's interpreter, for tests);
 - ``decoder``: ``stack`` (every layer as one native call, for the steps the
-  native attention takes whole, ``quantization.decoder_stack``) or
-  ``modules`` (each layer's recipe run by its modules);
+  native attention takes whole, ``quantization.decoder_stack``), on CUDA
+  ``graphs`` (decode steps replayed from CUDA graphs captured per batch size,
+  ``worker.cuda.graphs``; off with ``--enforce-eager``), or ``modules`` (each
+  layer's recipe run by its modules);
 - tensor parallelism, which is the model configuration's, not a choice.
 
 ``decide_plan`` is pure: it takes what the model, device, dtype and build allow
@@ -31,6 +35,7 @@ replays captured graphs for the steps it serves, as the stack serves its own).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -54,6 +59,7 @@ class PlanInputs:
     num_layers: int
     tensor_parallel: int = 1
     lora: bool = False
+    enforce_eager: bool = False
     # "part=choice" -> why it cannot run here, for the kernels this process lacks
     # and the models a kernel cannot compute (absent: it can).
     unavailable: Mapping[str, str] = field(default_factory=dict)
@@ -124,10 +130,17 @@ def parse_override(text: str | None) -> dict[str, str]:
 
 def choices(part: str, inputs: PlanInputs) -> tuple[str, ...]:
     """The choices of ``part`` for these weights, best first."""
+    if inputs.device == "cuda" and not inputs.quantized:
+        return {"attention": ("triton", "torch"), "decoder": ("graphs", "modules")}.get(
+            part, ("torch",)
+        )
     if part == "matmul":
         return ("native", "torch") if inputs.quantized else ("mkl", "torch")
     if part == "decoder":
         return ("stack", "modules")
+    if part == "attention" and not inputs.quantized:
+        # Asked for only: the CUDA kernels on the CPU, in Triton's interpreter, for tests.
+        return ("native", "torch", "triton")
     return ("native", "torch")
 
 
@@ -185,6 +198,18 @@ def _why_not(part: str, choice: str, inputs: PlanInputs, chosen: Mapping[str, st
             return "tensor-parallel ranks exchange partial sums inside each layer"
         if inputs.lora:
             return "LoRA adds its updates to the modules' projections"
+    if part == "attention" and choice == "triton" and inputs.device != "cuda":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return "the Triton kernels run on CUDA (on the CPU under TRITON_INTERPRET=1 only)"
+    if part == "decoder" and choice == "graphs":
+        if inputs.enforce_eager:
+            return "--enforce-eager runs every step eagerly"
+        if chosen["attention"] != "triton":
+            return "captured graphs need attention=triton"
+        if inputs.lora:
+            return "LoRA sets each token's adapter per step"
+        if inputs.tensor_parallel > 1:
+            return "tensor-parallel ranks exchange partial sums between captured kernels"
     return inputs.unavailable.get(f"{part}={choice}")
 
 

@@ -14,6 +14,7 @@ initialisation of weights that are overwritten anyway. Finding the files
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from collections.abc import Callable
@@ -76,7 +77,9 @@ def load_model(
     (``model.arch`` is the local one, ``LoadedModel.arch`` the whole model's) and
     talks to the other ranks where it must (``distributed.parallel_layers``).
     """
-    path = resolve_model_path(model_config.model, model_config.revision)
+    path = resolve_model_path(
+        model_config.model, model_config.revision, model_config.load_format != "dummy"
+    )
     arch = load_arch_config(path)
     device = torch.device(model_config.device)
     quantization = resolve_quantization(model_config, path, float_weights)
@@ -94,6 +97,9 @@ def load_model(
         model = model_class(arch)(local_arch, dtype)
     if quantization:
         filled = load_quantized(model, path, arch, quantization, device)
+    elif model_config.load_format == "dummy":
+        model.to_empty(device=device)
+        filled = fill_random(model, model_config.seed)
     else:
         model.to_empty(device=device)
         weights = (
@@ -118,6 +124,7 @@ def load_model(
         quantized=bool(quantization),
         tensor_parallel=1 if shard is None else shard.world_size,
         lora=float_weights,
+        enforce_eager=model_config.enforce_eager,
     )
     plan = decide_plan(inputs, os.environ.get(ENV))
     logger.info("forward plan for %s: %s", path.name, plan.describe())
@@ -141,6 +148,21 @@ def load_model(
     )
 
 
+def fill_random(model: CausalLM, seed: int) -> set[str]:
+    """vLLM's ``--load-format dummy``: every parameter drawn uniformly from a small
+    range (norm weights around 1, so activations keep their scale); returns the
+    names filled."""
+    generator = torch.Generator(device=next(model.parameters()).device)
+    generator.manual_seed(seed)
+    names = set()
+    for name, param in model.named_parameters():
+        param.data.uniform_(-0.02, 0.02, generator=generator)
+        if "norm" in name:
+            param.data.add_(1.0)
+        names.add(name)
+    return names
+
+
 def plan_inputs(
     model: CausalLM,
     device: torch.device,
@@ -149,6 +171,7 @@ def plan_inputs(
     quantized: bool,
     tensor_parallel: int = 1,
     lora: bool = False,
+    enforce_eager: bool = False,
 ) -> PlanInputs:
     """What ``model`` on ``device`` in ``dtype`` and this process's kernels allow."""
     unavailable: dict[str, str] = {}
@@ -162,6 +185,8 @@ def plan_inputs(
                 unavailable["decoder=stack"] = refusal
     elif not prepacking_available(device, dtype):
         unavailable["matmul=mkl"] = "MKL's packed sgemm serves float32 on a CPU build with MKL"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        unavailable["attention=triton"] = "Triton is not installed"
     if native is not None:
         unavailable["layer_ops=native"] = unavailable["attention=native"] = native
     elif model.arch.head_dim not in NATIVE_HEAD_DIMS:
@@ -178,6 +203,7 @@ def plan_inputs(
         num_layers=len(layers),
         tensor_parallel=tensor_parallel,
         lora=lora,
+        enforce_eager=enforce_eager,
         unavailable=unavailable,
         torch_attention_layers=tuple(
             i for i, layer in enumerate(layers) if not layer.self_attn.takes_native_kernel

@@ -53,10 +53,12 @@ from tokenloom.worker.step_inputs import (
     apply_deltas,
     build_sampling_metadata,
     prepare_step,
+    to_device,
 )
 
 if TYPE_CHECKING:
     from tokenloom.distributed.shard import TPShard
+    from tokenloom.worker.cuda.graphs import DecodeGraphs
 
 
 class ModelRunner:
@@ -104,6 +106,14 @@ class ModelRunner:
         self.device = loaded.device
         self.model_path = loaded.path
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, self.arch)
+        # The Triton kernel attends the batch (CUDA): metadata as device tensors.
+        self.kernel_attention = self.forward_plan.attention == "triton"
+        if self.kernel_attention and (
+            self.block_size < 16 or self.block_size & (self.block_size - 1)
+        ):
+            raise ValueError(
+                f"block_size must be a power of two >= 16 on CUDA, got {self.block_size}"
+            )
         self.kv_cache_dtype = resolve_kv_cache_dtype(
             cache_config.cache_dtype, self.dtype, loaded.quantized
         )
@@ -136,6 +146,24 @@ class ModelRunner:
         )
         if self.speculator is not None:
             self.speculator.allocate_kv_cache(self.num_blocks)
+        self.decode_graphs: DecodeGraphs | None = None
+        # Images (and multimodal positions) and pooling run eagerly: graphs replay text decodes.
+        if (
+            self.forward_plan.decoder == "graphs"
+            and model_config.runner != "pooling"
+            and self.arch.vision is None
+        ):
+            from tokenloom.worker.cuda.graphs import DecodeGraphs
+
+            self.decode_graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                self.block_size,
+                scheduler_config.max_num_seqs,
+                self.max_model_len,
+                self.device,
+            )
+            self.decode_graphs.capture()
         self.kv_cache_spec: KVCacheSpec | None = None
         self.kv_connector: KVConnectorWorker | None = None
         if cache_config.kv_transfer_config is not None:
@@ -209,9 +237,10 @@ class ModelRunner:
         per_block = kv_cache_bytes_per_block(arch, self.block_size, self.kv_cache_dtype)
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
+            budget = self.cache_config.memory_bytes or self._gpu_kv_budget()
         else:
             free = psutil.virtual_memory().available
-        budget = self.cache_config.memory_bytes or int(free * self.cache_config.memory_fraction)
+            budget = self.cache_config.memory_bytes or int(free * self.cache_config.memory_fraction)
         if self.speculator is not None:
             draft_fixed = self.speculator.kv_cache_bytes(0)  # linear in the block count
             per_block += self.speculator.kv_cache_bytes(1) - draft_fixed
@@ -220,16 +249,37 @@ class ModelRunner:
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         num_blocks = min(num_blocks, self.scheduler_config.max_num_seqs * blocks_per_seq + 1)
         if num_blocks < 2:
-            given = (
-                f"memory_bytes={self.cache_config.memory_bytes}"
-                if self.cache_config.memory_bytes
-                else f"memory_fraction={self.cache_config.memory_fraction} of {free} free bytes"
-            )
+            if self.cache_config.memory_bytes:
+                given = f"memory_bytes={self.cache_config.memory_bytes}"
+            elif self.device.type == "cuda":
+                given = (
+                    f"gpu_memory_utilization={self.cache_config.gpu_memory_utilization} "
+                    "after the weights and a profiled step"
+                )
+            else:
+                given = f"memory_fraction={self.cache_config.memory_fraction} of {free} free bytes"
             raise ValueError(
                 f"not enough memory for the KV cache: {given} holds {num_blocks} "
                 f"blocks of {per_block} bytes; raise it or set num_blocks"
             )
         return num_blocks
+
+    def _gpu_kv_budget(self) -> int:
+        """``gpu_memory_utilization`` of the GPU less the weights, the peak of the
+        largest step (profiled) and the memory outside PyTorch."""
+        from tokenloom.worker.cuda.memory import kv_cache_budget, profile_step_peak
+
+        peak = profile_step_peak(
+            self.model,
+            self.arch,
+            min(self.scheduler_config.max_num_batched_tokens, self.max_model_len),
+            self.scheduler_config.max_num_seqs,
+            self.block_size,
+            self.kv_cache_dtype,
+            self.device,
+            use_kernel=self.kernel_attention,
+        )
+        return kv_cache_budget(self.cache_config.gpu_memory_utilization, peak, self.device)
 
     # ------------------------------------------------------------------ one step
 
@@ -286,14 +336,7 @@ class ModelRunner:
             )
             self.lora_manager.prepare(np.repeat(ids, step.query_lens))
         with torch.inference_mode():
-            attn_metadata = AttentionMetadata.build(
-                step.query_lens.tolist(),
-                step.seq_lens.tolist(),
-                step.block_table,
-                step.slot_mapping,
-                self.block_size,
-                native_op=self.native_attention,
-            )
+            attn_metadata = self._attention_metadata(step)
             embeds, positions = None, step.positions
             if self.multimodal is not None:
                 embeds, positions = self.multimodal.prepare(step)
@@ -305,14 +348,29 @@ class ModelRunner:
                 )
                 output = self._output(step.req_ids, [[] for _ in step.req_ids], None)
             else:
-                hidden = self.model(
-                    step.input_ids,
-                    positions,
-                    self.kv_caches,
-                    attn_metadata,
-                    keep_rows=step.logits_indices,
-                    inputs_embeds=embeds,
-                )
+                graphs = self.decode_graphs
+                if (
+                    graphs is not None
+                    and embeds is None
+                    and graphs.serves(len(step.req_ids), int(step.query_lens.max()))
+                ):
+                    assert attn_metadata.kernel is not None
+                    hidden = graphs.run(
+                        step.input_ids,
+                        positions,
+                        step.slot_mapping,
+                        step.block_table,
+                        attn_metadata.kernel.seq_lens,
+                    ).index_select(0, step.logits_indices)
+                else:
+                    hidden = self.model(
+                        step.input_ids,
+                        positions,
+                        self.kv_caches,
+                        attn_metadata,
+                        keep_rows=step.logits_indices,
+                        inputs_embeds=embeds,
+                    )
                 logits = self.model.compute_logits(hidden)
                 if grammar_output is not None:
                     # Draft rows too: verification then judges drafts by the
@@ -343,6 +401,26 @@ class ModelRunner:
                 # prefill tokens cost less (no logits, no sampling).
                 speculator.observe_step(num_tokens, time.perf_counter() - started)
         return output
+
+    def _attention_metadata(self, step: StepInputs) -> AttentionMetadata:
+        if not self.kernel_attention:
+            return AttentionMetadata.build(
+                step.query_lens.tolist(),
+                step.seq_lens.tolist(),
+                step.block_table,
+                step.slot_mapping,
+                self.block_size,
+                native_op=self.native_attention,
+            )
+        query_start = np.zeros(len(step.query_lens) + 1, dtype=np.int32)
+        np.cumsum(step.query_lens, out=query_start[1:])
+        return AttentionMetadata.for_kernel(
+            to_device(query_start, self.device),
+            to_device(step.seq_lens.astype(np.int32), self.device),
+            step.block_table,
+            step.slot_mapping,
+            self.block_size,
+        )
 
     def _pool(
         self,

@@ -149,13 +149,13 @@ def prepare_step(batch: InputBatch, scheduler_output: SchedulerOutput) -> StepIn
         slots=slots,
         query_lens=query_lens,
         seq_lens=seq_lens,
-        input_ids=_to(input_ids, device),
-        positions=_to(positions, device),
-        slot_mapping=_to(slot_mapping, device),
-        block_table=_to(table, device),
+        input_ids=to_device(input_ids, device),
+        positions=to_device(positions, device),
+        slot_mapping=to_device(slot_mapping, device),
+        block_table=to_device(table, device),
         sample_idx=sample_idx,
         rows_per_sample=rows_per_sample,
-        logits_indices=_to(logits_indices, device),
+        logits_indices=to_device(logits_indices, device),
         row_slots=row_slots,
         row_offsets=row_offsets,
         drafts={batch_pos[s]: d for s, d in draft_lists.items()},
@@ -179,20 +179,20 @@ def build_sampling_metadata(
     greedy = temperature == 0.0
     random_rows = ~greedy
     metadata = SamplingMetadata(
-        temperature=_to(temperature, device),
+        temperature=to_device(temperature, device),
         all_greedy=bool(greedy.all()),
         all_random=not bool(greedy.any()),
     )
     if not metadata.all_greedy:
         top_k = batch.top_k[row_slots]
         if bool((top_k[random_rows] < vocab).any()):
-            metadata.top_k = _to(top_k, device)
+            metadata.top_k = to_device(top_k, device)
         top_p = batch.top_p[row_slots]
         if bool((top_p[random_rows] < 1.0).any()):
-            metadata.top_p = _to(top_p, device)
+            metadata.top_p = to_device(top_p, device)
         min_p = batch.min_p[row_slots]
         if bool((min_p[random_rows] > 0.0).any()):
-            metadata.min_p = _to(min_p, device)
+            metadata.min_p = to_device(min_p, device)
         generators = batch.generators
         if generators:
             metadata.generators = {
@@ -212,14 +212,16 @@ def build_sampling_metadata(
         tokens = batch.token_ids[:, :width][row_slots].astype(np.int64)
         pos = np.arange(width)
         is_output = (pos >= num_prompt[:, None]) & (pos < end[:, None])
-        metadata.output_token_ids = _to(np.where(is_output, tokens, vocab), device)
-        metadata.presence_penalties = _to(presence, device)
-        metadata.frequency_penalties = _to(frequency, device)
-        metadata.repetition_penalties = _to(repetition, device)
+        metadata.output_token_ids = to_device(np.where(is_output, tokens, vocab), device)
+        metadata.presence_penalties = to_device(presence, device)
+        metadata.frequency_penalties = to_device(frequency, device)
+        metadata.repetition_penalties = to_device(repetition, device)
         if use_repetition:
             p_width = int(num_prompt.max())
             in_prompt = pos[:p_width] < num_prompt[:, None]
-            metadata.prompt_token_ids = _to(np.where(in_prompt, tokens[:, :p_width], vocab), device)
+            metadata.prompt_token_ids = to_device(
+                np.where(in_prompt, tokens[:, :p_width], vocab), device
+            )
 
     need_ban = batch.min_tokens[row_slots] > end - num_prompt
     if bool(need_ban.any()):
@@ -240,6 +242,11 @@ def build_sampling_metadata(
     return metadata
 
 
-def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` as a tensor on ``device``. To a GPU it goes through pinned memory
+    (PyTorch's caching host allocator keeps it until the copy is done), so the copy
+    runs asynchronously and the host goes on building the step."""
     tensor = torch.from_numpy(np.ascontiguousarray(array))
-    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -41,6 +41,7 @@ from tokenloom.model_loader.loader import load_model
 from tokenloom.worker.input_batch import InputBatch
 from tokenloom.worker.sampler import draw_uniform, greedy_tokens
 from tokenloom.worker.spec_decode.target_probs import shaped_probs
+from tokenloom.worker.step_inputs import to_device
 from tokenloom.worker.top_k_top_p import inverse_cdf
 
 
@@ -202,18 +203,18 @@ class DraftModelProposer:
         meta = AttentionMetadata.build(
             query_lens.tolist(),
             seq_lens.tolist(),
-            _to(table[rows].astype(np.int32), device),
-            _to(slot_mapping, device),
+            to_device(table[rows].astype(np.int32), device),
+            to_device(slot_mapping, device),
             bs,
             native_op=self.native_attention,
         )
         hidden = self.model(
-            _to(input_ids.astype(np.int64), device),
-            _to(positions.astype(np.int64), device),
+            to_device(input_ids.astype(np.int64), device),
+            to_device(positions.astype(np.int64), device),
             self.kv_caches,
             meta,
         )
-        return hidden.index_select(0, _to(np.cumsum(query_lens) - 1, device))
+        return hidden.index_select(0, to_device(np.cumsum(query_lens) - 1, device))
 
     def _sample(
         self,
@@ -234,11 +235,11 @@ class DraftModelProposer:
             picked = slots[random]
             top_k, top_p, min_p = batch.top_k[picked], batch.top_p[picked], batch.min_p[picked]
             q = shaped_probs(
-                logits.index_select(0, _to(random, device)),
-                _to(temperature[random], device),
-                _to(top_k, device) if (top_k < batch.vocab_size).any() else None,
-                _to(top_p, device) if (top_p < 1.0).any() else None,
-                _to(min_p, device) if (min_p > 0.0).any() else None,
+                logits.index_select(0, to_device(random, device)),
+                to_device(temperature[random], device),
+                to_device(top_k, device) if (top_k < batch.vocab_size).any() else None,
+                to_device(top_p, device) if (top_p < 1.0).any() else None,
+                to_device(min_p, device) if (min_p > 0.0).any() else None,
             )
             generators = {
                 i: batch.generators[int(s)]
@@ -246,12 +247,7 @@ class DraftModelProposer:
                 if s in batch.generators
             }
             u = draw_uniform(len(random), generators, self.generator, device)
-            tokens[_to(random, device)] = inverse_cdf(q, u)
+            tokens[to_device(random, device)] = inverse_cdf(q, u)
             for i, row in enumerate(rows[random].tolist()):
                 probs[row].append(q[i])
         return tokens.cpu().numpy()
-
-
-def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    return tensor if device.type == "cpu" else tensor.to(device)
