@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Every GPU check of the CUDA backend in one run of at most 8 minutes, on a
+# machine with one NVIDIA GPU, PyTorch, Triton and transformers but no package
+# registry. Results (results.jsonl) and the log (check.log) go to OUTDIR.
+#
+#   benchmarks/gpu/check.sh OUTDIR [SECTION...]
+#
+# Brought along, in the repository root: .whl/ (the tokenloom wheel, built with
+# TOKENLOOM_BUILD_VARIANTS=none, and the dependencies the machine lacks: see
+# benchmarks/gpu/README.md) and .gpu/tokenizer/ (the default model's tokenizer
+# files). SECTIONs: env correctness kernels decode workload hf (default: all).
+set -u
+OUT=${1:?usage: benchmarks/gpu/check.sh OUTDIR [SECTION...]}
+shift
+SECTIONS=${*:-env correctness kernels decode workload hf}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/../.."
+LOG=$OUT/check.log
+DEADLINE=$((SECONDS + ${CHECK_SECONDS:-470}))
+
+SITE=/tmp/tokenloom-site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" .whl/*.whl >>"$LOG" 2>&1 || { tail -20 "$LOG"; exit 1; }
+export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
+
+# section LIMIT_S [ARGS...]: run one section with what is left of the deadline.
+run() {
+    local name=$1 limit=$2
+    shift 2
+    local left=$((DEADLINE - SECONDS))
+    ((left < limit)) && limit=$left
+    if ((limit < 20)); then
+        echo "== $name skipped: out of time" | tee -a "$LOG"
+        return
+    fi
+    echo "== $name (limit ${limit}s) $*" | tee -a "$LOG"
+    local part=/tmp/check-$name.log
+    timeout "$limit" python3 benchmarks/gpu/check.py "$name" --out "$OUT" "$@" >"$part" 2>&1
+    local status=$?
+    cat "$part" >>"$LOG"
+    grep '^RESULT' "$part" | cut -c1-600
+    # A failure shows its traceback here; the whole log is in check.log.
+    ((status != 0)) && grep -v '^RESULT' "$part" | tail -25
+    echo "== $name exit $status" | tee -a "$LOG"
+}
+for section in $SECTIONS; do
+    case $section in
+        env) run env 60 ;;
+        correctness) run correctness 120 ;;
+        kernels) run kernels 60 ;;
+        decode) run decode 150 ;;
+        workload)
+            run workload 120 --shapes llama-3.2-1b
+            run workload 180 --shapes llama-3.1-8b
+            ;;
+        hf) run hf 120 --shapes llama-3.2-1b,llama-3.1-8b ;;
+        *) echo "unknown section $section" ;;
+    esac
+done
