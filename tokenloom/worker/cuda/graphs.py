@@ -13,7 +13,10 @@ captured largest first so the smaller ones reuse its blocks.
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -23,6 +26,17 @@ from tokenloom.model.llama import CausalLM
 logger = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+# Captures a forward: (what replays it, the output tensor a replay refreshes).
+Recorder = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch.Tensor]]
+
+
+def _cuda_graph(
+    forward: Callable[[], torch.Tensor], pool: Any, stream: torch.cuda.Stream
+) -> tuple[Callable[[], None], torch.Tensor]:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        output = forward()
+    return graph.replay, output
 
 
 def capture_sizes(max_num_seqs: int, largest: int = 512) -> list[int]:
@@ -61,7 +75,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(top, dtype=torch.int32, device=device)
         # Every row is one token: the query offsets never change.
         self.query_start = torch.arange(top + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays: dict[int, Callable[[], None]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
     def _metadata(self, size: int) -> AttentionMetadata:
@@ -79,27 +93,34 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size (a warm-up run first compiles the kernels for it)."""
+    def capture(self, record: Recorder | None = None) -> None:
+        """Capture every size (a warm-up run first compiles the kernels for it).
+        ``record`` captures one forward (default: a CUDA graph in a pool the sizes
+        share); tests pass one that re-runs the forward, to check the buffers on
+        the CPU."""
+        if record is not None:
+            self._capture_all(record)
+            return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
-                self._forward(size)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[size] = self._forward(size)
-                self.graphs[size] = graph
+            self._capture_all(functools.partial(_cuda_graph, pool=pool, stream=stream))
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs of decode steps for batch sizes %s", self.sizes)
+
+    def _capture_all(self, record: Recorder) -> None:
+        for size in reversed(self.sizes):
+            forward = functools.partial(self._forward, size)
+            forward()
+            self.replays[size], self.outputs[size] = record(forward)
 
     def serves(self, num_reqs: int, max_query_len: int) -> bool:
         """Whether a step of ``num_reqs`` requests of at most ``max_query_len``
         tokens each (no other inputs) can replay a graph: decodes only, no more than
         the largest size."""
-        return max_query_len == 1 and num_reqs <= self.sizes[-1] and bool(self.graphs)
+        return max_query_len == 1 and num_reqs <= self.sizes[-1] and bool(self.replays)
 
     def run(
         self,
@@ -121,5 +142,5 @@ class DecodeGraphs:
         if size > n:  # the padding rows of the previous step may hold real slots
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
-        self.graphs[size].replay()
+        self.replays[size]()
         return self.outputs[size][:n]
