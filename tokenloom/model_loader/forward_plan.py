@@ -10,8 +10,9 @@ The parts, each with its choices best first (``torch`` and ``modules`` always ru
 - ``layer_ops``, RMSNorm with its residual add, SiLU-and-mul, RoPE and the K/V
   write: ``native`` (``ops.cpu_kernels``) or ``torch``;
 - ``attention``: on CUDA ``triton`` (one launch per layer for the whole batch,
-  ``ops.cuda.paged_attention``) or ``torch``; on the CPU ``native`` (the CPU kernel reads K/V in place for every
-  request of at most ``NATIVE_MAX_QUERY`` new tokens; longer chunks, and the
+  ``ops.cuda.paged_attention``) or ``torch``; on the CPU ``native`` (the CPU
+  kernel reads K/V in place for every request of at most ``NATIVE_MAX_QUERY``
+  new tokens; longer chunks, and the
   layers it cannot compute, take torch SDPA) or ``torch`` (SDPA over gathered
   blocks), and ``triton`` only when asked for, under ``TRITON_INTERPRET=1`` (the
   CUDA kernels in Triton's interpreter, for tests);
