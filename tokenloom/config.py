@@ -210,6 +210,14 @@ class SchedulerConfig:
         'or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}; '
         "optional disable_by_batch_size (default: off)",
     )
+    # vLLM's name. The scheduler counts a step's tokens as placeholders until they
+    # arrive, so the next step can be scheduled while this one runs.
+    async_scheduling: bool = option(
+        False,
+        help="schedule step n+1 while the model runs step n (the runner feeds step n's "
+        "sampled tokens to step n+1 on the device); not with speculative decoding, a KV "
+        "connector, pooling or tensor parallelism",
+    )
     # Encoder inputs (images): both count encoder output rows, one per placeholder
     # token, and the scheduler raises both to the model's largest single item.
     max_num_encoder_input_tokens: int | None = option(

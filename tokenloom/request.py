@@ -118,6 +118,7 @@ class Request:
         "stop_reason", "prompt_token_ids", "num_prompt_tokens", "num_preemptions", "max_tokens",
         "min_tokens", "block_hashes", "lora_request", "lora_int_id", "structured_output_request",
         "mm_features", "mm_end", "tenant_weight", "kv_transfer_params", "pooling_params",
+        "num_output_placeholders",
     )  # fmt: skip
 
     def __init__(
@@ -159,6 +160,8 @@ class Request:
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
+        # Async scheduling: tokens sampled by steps still running, not yet appended.
+        self.num_output_placeholders = 0
         # Read by the fair policy for every scheduled request: it sits with the hot ones.
         self.tenant = tenant
         self.output_token_ids: list[int] = []

@@ -185,9 +185,11 @@ def make_scheduler(
     enable_encoder_cache: bool = True,
     max_tokens_per_mm_item: int = 0,
     kv_connector: KVConnectorBase | None = None,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
+            async_scheduling=async_scheduling,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,

@@ -8,8 +8,6 @@ left from a larger step reset."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM

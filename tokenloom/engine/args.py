@@ -105,6 +105,7 @@ class EngineArgs:
         frontend_config = build(FrontendConfig, values)
         cache_config = build(CacheConfig, values)
         _check_kv_transfer(cache_config, model_config.parallel_config)
+        _check_async_scheduling(model_config, scheduler_config, cache_config)
         return EngineConfig(
             model_config=model_config,
             cache_config=cache_config,
@@ -173,6 +174,24 @@ def _check_runner(model_config: ModelConfig, scheduler_config: SchedulerConfig) 
             )
     elif model_config.pooler_config is not None:
         raise ValueError("pooler_config needs runner='pooling' (--runner pooling)")
+
+
+def _check_async_scheduling(
+    model_config: ModelConfig, scheduler_config: SchedulerConfig, cache_config: CacheConfig
+) -> None:
+    """Async scheduling overlaps steps whose only link is one sampled token each:
+    nothing that needs a step's outcome before the next is built."""
+    if not scheduler_config.async_scheduling:
+        return
+    conflicts = {
+        "speculative_config": scheduler_config.speculative_config is not None,
+        "kv_transfer_config": cache_config.kv_transfer_config is not None,
+        "runner='pooling'": model_config.runner == "pooling",
+        "tensor_parallel_size > 1": model_config.parallel_config.tensor_parallel_size > 1,
+    }
+    for name, present in conflicts.items():
+        if present:
+            raise ValueError(f"async_scheduling cannot be combined with {name}")
 
 
 def _check_draft_model(scheduler_config: SchedulerConfig) -> None:

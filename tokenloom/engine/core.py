@@ -14,7 +14,7 @@ import dataclasses
 import gc
 import logging
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from tokenloom.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from tokenloom.core.kv_cache.events import KVCacheEvent
@@ -36,6 +36,32 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _EMPTY_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+
+class PendingRunnerOutput(Protocol):
+    """A launched step's output (async scheduling): ``get()`` waits for it."""
+
+    def get(self) -> ModelRunnerOutput: ...
+
+
+class AsyncModelRunner(Protocol):
+    """A runner that serves async scheduling (``ModelRunner``; not the tensor-parallel
+    executor)."""
+
+    def execute_model_async(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> PendingRunnerOutput:
+        """Launch one step and return before it finishes."""
+        ...
+
+
+@dataclasses.dataclass
+class _LaunchedStep:
+    scheduler_output: SchedulerOutput
+    output: ModelRunnerOutput | PendingRunnerOutput
+    started: float
+
+
 # There is one front end, and it is client 0.
 _CLIENT_INDEX = 0
 
@@ -119,6 +145,11 @@ class EngineCore:
             kv_connector=kv_connector,
         )
         self._speculative = spec_config is not None
+        # Async scheduling: the step launched and not yet finished.
+        self._async_scheduling = scheduler_config.async_scheduling
+        self._in_flight: _LaunchedStep | None = None
+        if self._async_scheduling and not hasattr(runner, "execute_model_async"):
+            raise ValueError(f"async_scheduling: {type(runner).__name__} runs steps synchronously")
         # Requests scheduled but not yet reported: when they were first scheduled.
         self._first_scheduled: dict[str, float] = {}
         # Tokens the latest step scheduled (0: it could make no progress).
@@ -248,7 +279,7 @@ class EngineCore:
         return self.runner.remove_lora(lora_int_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_requests()
+        return self.scheduler.has_requests() or self._in_flight is not None
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget cached blocks (see ``Scheduler.reset_prefix_cache``); False if it could not."""
@@ -269,10 +300,34 @@ class EngineCore:
         return CoreOutputs(EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats()))
 
     def step(self) -> CoreOutputs | None:
-        """Run one iteration; None when there is nothing to do."""
-        scheduler = self.scheduler
-        if not scheduler.has_requests():
+        """Run one iteration; None when there is nothing to do.
+
+        With async scheduling the next step is scheduled and launched before this
+        one's output is awaited (``_step_pipelined``)."""
+        if self._async_scheduling:
+            return self._step_pipelined()
+        if not self.scheduler.has_requests():
             return None
+        return self._finish(self._launch())
+
+    def _step_pipelined(self) -> CoreOutputs | None:
+        """Keep one step running while the next is scheduled: launch step n+1 (its
+        decodes read step n's tokens on the device), then wait for step n's output.
+        While structured requests are in, each step waits for the previous one: their
+        grammars advance with its tokens."""
+        current = self._in_flight
+        if current is None:
+            if not self.scheduler.has_requests():
+                return None
+            current = self._launch()
+        self._in_flight = None
+        if self.scheduler.has_requests() and not self.scheduler.has_structured_requests:
+            self._in_flight = self._launch()
+        return self._finish(current)
+
+    def _launch(self) -> _LaunchedStep:
+        """Schedule a step and start it on the runner."""
+        scheduler = self.scheduler
         started = time.perf_counter()
         scheduler_output = scheduler.schedule()
         self.last_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
@@ -286,15 +341,31 @@ class EngineCore:
             and not scheduler_output.free_encoder_mm_hashes
             and scheduler_output.kv_connector_metadata is None
         ):
-            runner_output = _EMPTY_RUNNER_OUTPUT
+            return _LaunchedStep(scheduler_output, _EMPTY_RUNNER_OUTPUT, started)
+        # Also with no tokens: the runner must hear about finished requests (and
+        # encoder outputs it may drop).
+        grammar_output = scheduler.get_grammar_bitmask(scheduler_output)
+        if self._async_scheduling:
+            return _LaunchedStep(
+                scheduler_output,
+                cast(AsyncModelRunner, self.runner).execute_model_async(
+                    scheduler_output, grammar_output
+                ),
+                started,
+            )
+        if grammar_output is None:
+            runner_output = self.runner.execute_model(scheduler_output)
         else:
-            # Also with no tokens: the runner must hear about finished requests (and
-            # encoder outputs it may drop).
-            grammar_output = scheduler.get_grammar_bitmask(scheduler_output)
-            if grammar_output is None:
-                runner_output = self.runner.execute_model(scheduler_output)
-            else:
-                runner_output = self.runner.execute_model(scheduler_output, grammar_output)
+            runner_output = self.runner.execute_model(scheduler_output, grammar_output)
+        return _LaunchedStep(scheduler_output, runner_output, started)
+
+    def _finish(self, launched: _LaunchedStep) -> CoreOutputs:
+        """Wait for a launched step's output and apply it."""
+        scheduler = self.scheduler
+        scheduler_output, started = launched.scheduler_output, launched.started
+        runner_output = launched.output
+        if not isinstance(runner_output, ModelRunnerOutput):
+            runner_output = runner_output.get()
         per_client = scheduler.update_from_output(scheduler_output, runner_output)
         if self._speculative:
             # Drafts for the requests that sampled, verified in the next step.

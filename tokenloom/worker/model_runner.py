@@ -19,6 +19,7 @@ prompt the step completes into ``ModelRunnerOutput.pooler_output``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,6 +39,7 @@ from tokenloom.ops.cpu_kernels import bind_threads_to_cores
 from tokenloom.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenloom.pooling.config import resolve_pooler_config
 from tokenloom.structured_output.manager import GrammarOutput
+from tokenloom.worker.async_output import InFlightTokens, PendingOutput, copy_to_host
 from tokenloom.worker.grammar_bitmask import apply_grammar_bitmask
 from tokenloom.worker.host_malloc import keep_freed_memory, release_freed_memory
 from tokenloom.worker.input_batch import InputBatch
@@ -194,6 +196,11 @@ class ModelRunner:
         # The EOS id the engine gives its requests (for hand-built NewRequestData).
         self._eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self._last_req_ids: list[str] = []
+        # Async scheduling: the latest launched step's tokens, still on the device,
+        # the output that will append them, and what it runs once they are here.
+        self._in_flight: InFlightTokens | None = None
+        self._unresolved: PendingOutput | None = None
+        self._finish_launched: Callable[[ModelRunnerOutput], None] | None = None
         # LoRA: the adapter slots, and each request's adapter id (0: base model).
         self.lora_manager = LoRAManager(self.model, lora_config) if lora_config else None
         self._lora_ids: dict[str, int] = {}
@@ -306,13 +313,29 @@ class ModelRunner:
         output.kv_connector_output = connector.get_finished()
         return output
 
+    def execute_model_async(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> PendingOutput:
+        """Launch the step and return at once (async scheduling, ``async_output``):
+        the output's sampled tokens arrive with ``get()``. The next step may be
+        launched before that, scheduled with placeholders for those tokens."""
+        output = self._execute_step(scheduler_output, grammar_output, defer=True)
+        finish, self._finish_launched = self._finish_launched, None
+        pending = PendingOutput(output, finish)
+        if finish is not None:
+            self._unresolved = pending
+        return pending
+
     def shutdown(self) -> None:
         """Stop the KV connector's threads and sockets (the rest goes with the process)."""
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
 
     def _execute_step(
-        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_output: GrammarOutput | None,
+        defer: bool = False,
     ) -> ModelRunnerOutput:
         started = time.perf_counter()
         speculator = self.speculator
@@ -329,6 +352,8 @@ class ModelRunner:
         if not scheduler_output.num_scheduled_tokens:
             return self._output([], [], None)
         step = prepare_step(self.input_batch, scheduler_output)
+        if self._in_flight is not None:
+            self._feed_in_flight_tokens(step)
         if self.lora_manager is not None:
             lora_of = self._lora_ids
             ids = np.fromiter(
@@ -377,11 +402,15 @@ class ModelRunner:
                     # masked target distribution.
                     rows = _logits_rows(step, grammar_output)
                     apply_grammar_bitmask(logits, grammar_output, rows)
+                if self._unresolved is not None and self._needs_history(step.row_slots):
+                    self._unresolved.get()  # penalties and min_tokens count every token
                 metadata = build_sampling_metadata(
                     self.input_batch, step.row_slots, step.row_offsets
                 )
                 if step.drafts:
                     output = self._verify_drafts(step, logits, metadata)
+                elif defer:
+                    output = self._sample_deferred(step, logits, metadata)
                 else:
                     output = self._sample(step, logits, metadata)
         if speculator is not None:
@@ -460,6 +489,64 @@ class ModelRunner:
                 if entry is not None:
                     logprobs[i] = [entry]
         return self._output(step.req_ids, sampled_ids, logprobs)
+
+    def _sample_deferred(
+        self, step: StepInputs, logits: torch.Tensor, metadata: SamplingMetadata
+    ) -> ModelRunnerOutput:
+        """``_sample`` with the tokens left on the device: the output's
+        ``sampled_token_ids`` are filled, and the tokens appended to the batch, by
+        the finish step ``execute_model_async`` hands to its ``PendingOutput``."""
+        sampled = self.sampler(logits, metadata)
+        tokens = sampled.sampled_token_ids
+        sample_idx = step.sample_idx.tolist()
+        req_ids = step.req_ids
+        flight = InFlightTokens(tokens, {req_ids[i]: row for row, i in enumerate(sample_idx)})
+        self._in_flight = flight
+        host, copied = copy_to_host(tokens)
+        batch = self.input_batch
+
+        def finish(output: ModelRunnerOutput) -> None:
+            if copied is not None:
+                copied.synchronize()
+            values = host.tolist()
+            index = batch.req_id_to_index
+            for i, token in zip(sample_idx, values, strict=True):
+                output.sampled_token_ids[i] = [token]
+                slot = index.get(req_ids[i])
+                if slot is not None:  # not finished or preempted since
+                    batch.append_tokens(slot, [token])
+            if self._in_flight is flight:
+                self._in_flight = None
+            if self._unresolved is not None and self._unresolved.done:
+                self._unresolved = None
+
+        self._finish_launched = finish
+        logprobs: list[list[TokenLogprobs] | None] | None = None
+        if sampled.logprobs is not None:
+            logprobs = [None] * len(req_ids)
+            for i, entry in zip(sample_idx, sampled.logprobs, strict=True):
+                if entry is not None:
+                    logprobs[i] = [entry]
+        return self._output(req_ids, [[] for _ in req_ids], logprobs)
+
+    def _feed_in_flight_tokens(self, step: StepInputs) -> None:
+        """Requests whose last input is the token the previous step sampled, still
+        on the device: copy it into ``step.input_ids`` there."""
+        assert self._in_flight is not None
+        known = self.input_batch.num_tokens[step.slots]
+        self._in_flight.patch_inputs(
+            step.input_ids, step.req_ids, np.cumsum(step.query_lens) - 1, step.seq_lens > known
+        )
+
+    def _needs_history(self, row_slots: np.ndarray) -> bool:
+        """Whether sampling these rows reads their earlier output tokens."""
+        batch = self.input_batch
+        return bool(
+            (batch.repetition_penalty[row_slots] != 1.0).any()
+            or (batch.presence_penalty[row_slots] != 0.0).any()
+            or (batch.frequency_penalty[row_slots] != 0.0).any()
+            or (batch.min_tokens[row_slots] > 0).any()
+        )
 
     def _verify_drafts(
         self,

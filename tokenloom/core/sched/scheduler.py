@@ -155,6 +155,7 @@ class Scheduler(SchedulerInterface):
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         self.scheduler_config = scheduler_config
+        self._async_scheduling = scheduler_config.async_scheduling
         self.cache_config = cache_config
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens
@@ -368,7 +369,7 @@ class Scheduler(SchedulerInterface):
             if preempted and request.status is not _RUNNING:
                 continue
             num_computed = request.num_computed_tokens
-            num_tokens = len(request.all_token_ids)
+            num_tokens = len(request.all_token_ids) + request.num_output_placeholders
             num_new = num_tokens - num_computed
             req_id = request.request_id
             # Fast path (most running requests, most steps): no drafts, within the
@@ -485,11 +486,24 @@ class Scheduler(SchedulerInterface):
         finished = self.finished_req_ids
         self.finished_req_ids = set()
         output = step.build(num_common, preempted_ids, finished)
+        if self._async_scheduling:
+            self._add_output_placeholders(output.num_scheduled_tokens)
         if freed:
             output.free_encoder_mm_hashes = freed
         if self._kv is not None:
             output.kv_connector_metadata = self._kv.connector.build_connector_meta(output)
         return output
+
+    def _add_output_placeholders(self, num_scheduled: dict[str, int]) -> None:
+        """Async scheduling: each request this step brings level with its tokens
+        samples one, unknown until the step's output: a placeholder lets the next
+        step schedule the decode that follows it."""
+        requests = self.requests
+        for req_id in num_scheduled:
+            request = requests[req_id]
+            known = len(request.all_token_ids) + request.num_output_placeholders
+            if request.num_computed_tokens >= known and request.pooling_params is None:
+                request.num_output_placeholders += 1
 
     def _settle_orphans(
         self, step: StepBuilder, orphans: list[str], mm_scheduled: list[Request]
@@ -756,6 +770,11 @@ class Scheduler(SchedulerInterface):
         request.status = _WAITING
         return True
 
+    @property
+    def has_structured_requests(self) -> bool:
+        """Whether any request (running or waiting) has a grammar."""
+        return self._num_structured > 0
+
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         """The step's grammar bitmask: rows for the structured requests that sample in it.
 
@@ -872,6 +891,9 @@ class Scheduler(SchedulerInterface):
             self._fair.preempted(request)
         request.status = _PREEMPTED
         request.num_computed_tokens = 0
+        # A step still running may have sampled for it: that token is dropped, and
+        # recomputed once it resumes.
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         request.spec_token_ids = []
         self._num_preemptions += 1
@@ -902,6 +924,9 @@ class Scheduler(SchedulerInterface):
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
         max_model_len = self.max_model_len
         running_status = _RUNNING
+        async_scheduling = self._async_scheduling
+        # Preempted requests finished by their in-flight token (async scheduling).
+        waiting_finished: set[str] = set()
 
         per_client: dict[int, list[EngineCoreOutput]] = {}
         client = -1
@@ -915,9 +940,16 @@ class Scheduler(SchedulerInterface):
         ):
             request = get_request(req_id)
             # Finished, aborted or preempted since schedule() (a request re-added
-            # under the same id is WAITING): nothing to apply.
+            # under the same id is WAITING): nothing to apply. Except, with async
+            # scheduling, a request the next step's scheduling preempted while this
+            # step ran: its token was sampled from its whole context, so it is kept
+            # (dropping it, a request that preempts itself would never progress).
             if request is None or request.status is not running_status:
-                continue
+                if not (async_scheduling and sampled and request is not None):
+                    continue
+                if request.status is not _PREEMPTED:
+                    continue
+                waiting_finished.add(req_id)
             if drafts_seen:
                 if request.spec_token_ids:
                     request.spec_token_ids = []
@@ -930,6 +962,8 @@ class Scheduler(SchedulerInterface):
                             self._observe_drafts(len(drafts), accepted)
             if not sampled:
                 continue  # a partial prefill produces no token
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             kept = request.append_output_token_ids(sampled, max_model_len)
             if request.client_index != client:
                 client = request.client_index
@@ -970,11 +1004,13 @@ class Scheduler(SchedulerInterface):
                 if request.mm_features:
                     self.encoder_cache_manager.free(request)
                 req_id = request.request_id
-                self._forget(req_id, running=True)
+                self._forget(req_id, running=req_id not in waiting_finished)
                 self.finished_req_ids.add(req_id)
                 finished_ids.setdefault(request.client_index, set()).add(req_id)
             gone = {request for request, _ in finished}
             self.running = [r for r in self.running if r not in gone]
+            if waiting_finished:
+                self.waiting.remove(r for r, _ in finished if r.request_id in waiting_finished)
         if kv_output is not None and self._kv is not None:
             self._kv.after_output(kv_output)
 
