@@ -333,3 +333,43 @@ def test_the_fingerprint_names_the_weights_dtypes_and_layout(tmp_path: Path) -> 
     os.utime(model, ns=(1, 1))
     others.append(fingerprint())
     assert len({base, *others}) == len(others) + 1
+
+
+@pytest.mark.parametrize("failing", ["gather", "scatter"])
+def test_a_failing_copy_means_a_recompute_not_a_hang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """An unexpected error while a save copies blocks out of the cache, or a load copies
+    them in: the blocks are not on disk, or are recomputed, and nothing waits for ever."""
+    prefix = list(range(6000, 6032))
+    first = Engine(tmp_path, num_blocks=64)
+    first.add(shared_prompt_requests(prefix, 1, "a")[0])
+    first.run()
+    first.settle()
+    first.close()
+    engine = Engine(tmp_path, num_blocks=64)
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError(f"{failing} broke")
+
+    monkeypatch.setattr(engine.worker.io, failing, broken)
+    if failing == "gather":
+        engine.add(make_request("new", 17, max_tokens=1))  # 4 full blocks to save
+        engine.run()
+        engine.settle()  # the saves ended, as failures
+        assert len(engine.connector.index.stored) == 9  # what the first engine saved
+    engine.add(shared_prompt_requests(prefix, 1, "b")[0])
+    engine.run(max_steps=500)
+    assert len(engine.tokens["b0"]) == 3
+    if failing == "scatter":
+        assert engine.stats.num_hit_tokens == 0
+        assert engine.stats.num_recomputed_tokens == 8 * BLOCK
+        assert engine.stats.errors == {"load_error": 1}
+    else:
+        assert engine.stats.num_hit_tokens == 8 * BLOCK
+        assert engine.stats.errors == {"save_error": 1}  # "new"'s saves
+    engine.settle()
+    if failing == "scatter":  # the files were dropped, and written again
+        assert len(engine.connector.index.stored) == 9
+    assert_no_leaks(engine.scheduler)
+    engine.close()
