@@ -154,6 +154,16 @@ def shared_prompt_requests(prefix: list[int], count: int, tag: str) -> list[Requ
     ]
 
 
+def save_on_disk(root: Path, prefix: list[int]) -> Engine:
+    """An engine (closed when this returns) that saved one request on ``prefix`` to ``root``."""
+    engine = Engine(root, num_blocks=64)
+    engine.add(shared_prompt_requests(prefix, 1, "a")[0])
+    engine.run()
+    engine.settle()
+    engine.close()
+    return engine
+
+
 def test_blocks_evicted_from_memory_come_back_from_disk_exactly(tmp_path: Path) -> None:
     # 12 usable blocks: one 40-token prompt fills 11; the next request evicts it.
     engine = Engine(tmp_path, num_blocks=13)
@@ -199,11 +209,7 @@ def test_a_restarted_engine_loads_what_it_saved(tmp_path: Path) -> None:
 @pytest.mark.parametrize("damage", ["corrupt", "truncated", "missing"])
 def test_a_bad_file_is_recomputed_never_served(tmp_path: Path, damage: str) -> None:
     prefix = list(range(3000, 3032))
-    first = Engine(tmp_path, num_blocks=64)
-    first.add(shared_prompt_requests(prefix, 1, "a")[0])
-    first.run()
-    first.settle()
-    first.close()
+    first = save_on_disk(tmp_path, prefix)
     keys = first.connector._track(shared_prompt_requests(prefix, 1, "x")[0]).keys.extend(
         prefix, BLOCK
     )
@@ -342,11 +348,7 @@ def test_a_failing_copy_means_a_recompute_not_a_hang(
     """An unexpected error while a save copies blocks out of the cache, or a load copies
     them in: the blocks are not on disk, or are recomputed, and nothing waits for ever."""
     prefix = list(range(6000, 6032))
-    first = Engine(tmp_path, num_blocks=64)
-    first.add(shared_prompt_requests(prefix, 1, "a")[0])
-    first.run()
-    first.settle()
-    first.close()
+    save_on_disk(tmp_path, prefix)
     engine = Engine(tmp_path, num_blocks=64)
 
     def broken(*args: Any) -> Any:
