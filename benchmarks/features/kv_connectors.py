@@ -9,6 +9,10 @@ connector (the document is recomputed) and with the disk tier
 question right after the document), and the TTFT of the first question after
 the tier's server is restarted. Rounds alternate the order of the servers.
 
+Hit paths (``hit_paths``): in one process, no HTTP, alternating ABBA over
+``--hit-rounds``, the TTFT of a question on the document when it is in memory
+(a warm prefix hit) and when only the disk tier holds it.
+
 Disaggregation: a single engine against a prefill engine (``kv_producer``) and
 a decode engine (``kv_consumer``) behind ``tokenloom disagg-proxy``, at each
 ``--concurrencies`` value: TTFT and TPOT per request (medians over the rounds'
@@ -127,16 +131,22 @@ async def tokenize(client: httpx.AsyncClient, server: Server, text: str) -> list
     return list(r.json()["tokens"])
 
 
-async def text_pool(client: httpx.AsyncClient, server: Server, size: int) -> list[int]:
-    """At least ``size`` token ids of English prose (the standard library's docstrings)."""
+def prose() -> Iterator[str]:
+    """English prose: the standard library's docstrings, a module at a time."""
     import importlib
 
-    pool: list[int] = []
     for name in ("json", "argparse", "csv", "logging", "socket", "inspect", "collections"):
         module = importlib.import_module(name)
         docs = [inspect.getdoc(module) or ""]
         docs += [inspect.getdoc(member) or "" for _, member in inspect.getmembers(module)]
-        pool += await tokenize(client, server, "\n".join(docs))
+        yield "\n".join(docs)
+
+
+async def text_pool(client: httpx.AsyncClient, server: Server, size: int) -> list[int]:
+    """At least ``size`` token ids of prose."""
+    pool: list[int] = []
+    for text in prose():
+        pool += await tokenize(client, server, text)
         if len(pool) >= size:
             return pool
     raise RuntimeError(f"only {len(pool)} tokens of text, {size} wanted")
@@ -232,6 +242,67 @@ async def _disk_tier(args: argparse.Namespace, logs: Path, tier: Path) -> dict[s
     }
 
 
+def hit_paths(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    """In one process (an ``LLM``, no HTTP), alternating ABBA: the TTFT of a question
+    on the document held in memory (a warm prefix hit) and held only by the disk
+    tier (the in-memory cache reset first, so its blocks are loaded)."""
+    from tokenloom import LLM, SamplingParams
+
+    tier = Path(tempfile.mkdtemp(prefix="kv_tier_", dir=logs))
+    llm = LLM(
+        kv_offload_dir=str(tier),
+        num_blocks=args.num_blocks,
+        max_model_len=args.doc_tokens + 128,
+        max_num_batched_tokens=2048,
+        log_stats=False,
+    )
+    try:
+        tokenizer = llm.get_tokenizer()
+        pool: list[int] = []
+        for text in prose():
+            pool += tokenizer.encode(text, add_special_tokens=False)
+            if len(pool) >= args.doc_tokens:
+                break
+        (document,) = documents(pool, 1, args.doc_tokens)
+        questions = iter(
+            [tokenizer.encode(f"\nQ: {q}\nA:", add_special_tokens=False) for q in QUESTIONS]
+            * (4 * args.hit_rounds + 2)
+        )
+        first_token = SamplingParams(max_tokens=1, temperature=0.0)
+
+        def ttft(where: str) -> float:
+            if where == "disk":
+                assert llm.reset_prefix_cache()
+            started = time.perf_counter()
+            (out,) = llm.generate([document + next(questions)], first_token, use_tqdm=False)
+            elapsed = time.perf_counter() - started
+            if out.num_cached_tokens < args.doc_tokens // 16 * 16:
+                raise RuntimeError(f"{where}: only {out.num_cached_tokens} tokens cached")
+            return elapsed
+
+        llm.generate([document + next(questions)], first_token, use_tqdm=False)
+        deadline = time.monotonic() + 120
+        while sum(1 for _ in tier.glob("blocks/*/*")) < args.doc_tokens // 16:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the document's blocks did not reach the disk")
+            time.sleep(0.1)
+        ttft("warm")  # a step, so the tier's index learns of the last saves
+        times: dict[str, list[float]] = {"warm": [], "disk": []}
+        for r in range(args.hit_rounds):
+            for where in ("warm", "disk", "disk", "warm")[:: 1 if r % 2 == 0 else -1]:
+                times[where].append(ttft(where))
+    finally:
+        llm.client.shutdown()
+        shutil.rmtree(tier, ignore_errors=True)
+    medians = {k: median(v) for k, v in times.items()}
+    return {
+        "doc_tokens": args.doc_tokens,
+        "ttft_s": times,
+        "ttft_median_s": medians,
+        "disk_vs_warm": medians["disk"] / medians["warm"],
+    }
+
+
 async def run_batch(
     client: httpx.AsyncClient,
     server: Server,
@@ -304,7 +375,7 @@ async def disaggregation(args: argparse.Namespace, logs: Path) -> dict[str, Any]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--parts", default="disk_tier,disaggregation")
+    parser.add_argument("--parts", default="disk_tier,hit_paths,disaggregation")
     parser.add_argument("--serve-args", default="--max-num-batched-tokens 2048")
     parser.add_argument("--doc-tokens", type=int, default=4000)
     parser.add_argument("--num-blocks", type=int, default=300)
@@ -314,6 +385,7 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--concurrencies", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--hit-rounds", type=int, default=8)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     logs = ROOT / ".bench" / "kv_connectors"
@@ -322,6 +394,8 @@ def main() -> None:
     parts = args.parts.split(",")
     if "disk_tier" in parts:
         result["disk_tier"] = asyncio.run(disk_tier(args, logs))
+    if "hit_paths" in parts:
+        result["hit_paths"] = hit_paths(args, logs)
     if "disaggregation" in parts:
         result["disaggregation"] = asyncio.run(disaggregation(args, logs))
     report(result, "benchmarks/features/kv_connectors.py", args.json)

@@ -154,6 +154,16 @@ def shared_prompt_requests(prefix: list[int], count: int, tag: str) -> list[Requ
     ]
 
 
+def save_on_disk(root: Path, prefix: list[int]) -> Engine:
+    """An engine (closed when this returns) that saved one request on ``prefix`` to ``root``."""
+    engine = Engine(root, num_blocks=64)
+    engine.add(shared_prompt_requests(prefix, 1, "a")[0])
+    engine.run()
+    engine.settle()
+    engine.close()
+    return engine
+
+
 def test_blocks_evicted_from_memory_come_back_from_disk_exactly(tmp_path: Path) -> None:
     # 12 usable blocks: one 40-token prompt fills 11; the next request evicts it.
     engine = Engine(tmp_path, num_blocks=13)
@@ -199,11 +209,7 @@ def test_a_restarted_engine_loads_what_it_saved(tmp_path: Path) -> None:
 @pytest.mark.parametrize("damage", ["corrupt", "truncated", "missing"])
 def test_a_bad_file_is_recomputed_never_served(tmp_path: Path, damage: str) -> None:
     prefix = list(range(3000, 3032))
-    first = Engine(tmp_path, num_blocks=64)
-    first.add(shared_prompt_requests(prefix, 1, "a")[0])
-    first.run()
-    first.settle()
-    first.close()
+    first = save_on_disk(tmp_path, prefix)
     keys = first.connector._track(shared_prompt_requests(prefix, 1, "x")[0]).keys.extend(
         prefix, BLOCK
     )
@@ -333,3 +339,39 @@ def test_the_fingerprint_names_the_weights_dtypes_and_layout(tmp_path: Path) -> 
     os.utime(model, ns=(1, 1))
     others.append(fingerprint())
     assert len({base, *others}) == len(others) + 1
+
+
+@pytest.mark.parametrize("failing", ["gather", "scatter"])
+def test_a_failing_copy_means_a_recompute_not_a_hang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """An unexpected error while a save copies blocks out of the cache, or a load copies
+    them in: the blocks are not on disk, or are recomputed, and nothing waits for ever."""
+    prefix = list(range(6000, 6032))
+    save_on_disk(tmp_path, prefix)
+    engine = Engine(tmp_path, num_blocks=64)
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError(f"{failing} broke")
+
+    monkeypatch.setattr(engine.worker.io, failing, broken)
+    if failing == "gather":
+        engine.add(make_request("new", 17, max_tokens=1))  # 4 full blocks to save
+        engine.run()
+        engine.settle()  # the saves ended, as failures
+        assert len(engine.connector.index.stored) == 9  # what the first engine saved
+    engine.add(shared_prompt_requests(prefix, 1, "b")[0])
+    engine.run(max_steps=500)
+    assert len(engine.tokens["b0"]) == 3
+    if failing == "scatter":
+        assert engine.stats.num_hit_tokens == 0
+        assert engine.stats.num_recomputed_tokens == 8 * BLOCK
+        assert engine.stats.errors == {"load_error": 1}
+    else:
+        assert engine.stats.num_hit_tokens == 8 * BLOCK
+        assert engine.stats.errors == {"save_error": 1}  # "new"'s saves
+    engine.settle()
+    if failing == "scatter":  # the files were dropped, and written again
+        assert len(engine.connector.index.stored) == 9
+    assert_no_leaks(engine.scheduler)
+    engine.close()

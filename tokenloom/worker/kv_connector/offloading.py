@@ -132,45 +132,54 @@ class OffloadingWorker(KVConnectorWorker):
     def _save(self, pairs: list[tuple[int, str]]) -> None:
         started = time.perf_counter()
         block_ids = [block_id for block_id, _ in pairs]
-        try:
-            data = self.io.gather(block_ids).numpy()
-        finally:
-            with self._lock:
-                for block_id in block_ids:
-                    count = self._uncopied[block_id] - 1
-                    if count:
-                        self._uncopied[block_id] = count
-                    else:
-                        del self._uncopied[block_id]
-                self._lock.notify_all()
         saved: list[str] = []
         failed: list[str] = []
         disk_full = False
         errors: dict[str, int] = {}
-        for j, (_, key) in enumerate(pairs):
-            if disk_full:
-                failed.append(key)
-                continue
+        try:
             try:
-                self._write(key, data[j])
-            except OSError as exc:
-                disk_full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                reason = "disk_full" if disk_full else "write_error"
-                errors[reason] = errors.get(reason, 0) + 1
-                logger.warning("disk KV tier: cannot write block %s: %s", key, exc)
-                failed.append(key)
-            else:
-                saved.append(key)
-        with self._lock:
-            feedback = self._feedback
-            feedback.saved.extend(saved)
-            feedback.failed.extend(failed)
-            feedback.disk_full |= disk_full
-            stats = self._stats
-            stats.num_bytes["save"] = stats.num_bytes.get("save", 0) + len(saved) * self._file_bytes
-            stats.seconds.setdefault("save", []).append(time.perf_counter() - started)
-            for reason, count in errors.items():
-                stats.errors[reason] = stats.errors.get(reason, 0) + count
+                data = self.io.gather(block_ids).numpy()
+            finally:
+                with self._lock:
+                    for block_id in block_ids:
+                        count = self._uncopied[block_id] - 1
+                        if count:
+                            self._uncopied[block_id] = count
+                        else:
+                            del self._uncopied[block_id]
+                    self._lock.notify_all()
+            for j, (_, key) in enumerate(pairs):
+                if disk_full:
+                    failed.append(key)
+                    continue
+                try:
+                    self._write(key, data[j])
+                except OSError as exc:
+                    disk_full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                    reason = "disk_full" if disk_full else "write_error"
+                    errors[reason] = errors.get(reason, 0) + 1
+                    logger.warning("disk KV tier: cannot write block %s: %s", key, exc)
+                    failed.append(key)
+                else:
+                    saved.append(key)
+        finally:
+            # After an unexpected error the rest failed: the index must not hold them
+            # as pending for ever (requests wait for a pending block).
+            unsaved = pairs[len(saved) + len(failed) :]
+            if unsaved:
+                errors["save_error"] = errors.get("save_error", 0) + 1
+                failed.extend(key for _, key in unsaved)
+            with self._lock:
+                feedback = self._feedback
+                feedback.saved.extend(saved)
+                feedback.failed.extend(failed)
+                feedback.disk_full |= disk_full
+                stats = self._stats
+                written = len(saved) * self._file_bytes
+                stats.num_bytes["save"] = stats.num_bytes.get("save", 0) + written
+                stats.seconds.setdefault("save", []).append(time.perf_counter() - started)
+                for reason, count in errors.items():
+                    stats.errors[reason] = stats.errors.get(reason, 0) + count
 
     def _write(self, key: str, payload: Any) -> None:
         final = block_path(self.root, key)
@@ -195,33 +204,48 @@ class OffloadingWorker(KVConnectorWorker):
         started = time.perf_counter()
         data = torch.empty((len(pairs), self.io.block_bytes), dtype=torch.uint8)
         rows = data.numpy()
-        num_good = 0
+        block_ids = [block_id for block_id, _ in pairs]
+        num_good = num_loaded = 0
+        completed = False
         bad: list[str] = []
         errors: dict[str, int] = {}
-        for j, (_, key) in enumerate(pairs):
-            path = block_path(self.root, key)
-            reason = self._read(path, key, rows[j])
-            if reason is not None:
-                logger.warning(
-                    "disk KV tier: block file %s is %s; the block is recomputed", path, reason
-                )
-                errors[reason] = errors.get(reason, 0) + 1
-                bad.append(key)
-                path.unlink(missing_ok=True)
-                break
-            num_good += 1
-        block_ids = [block_id for block_id, _ in pairs]
-        if num_good:
-            self.io.scatter(block_ids[:num_good], data[:num_good])
-        with self._lock:
-            self._recving.add(req_id)
-            self._invalid.update(block_ids[num_good:])
-            self._feedback.bad.extend(bad)
-            stats = self._stats
-            stats.num_bytes["load"] = stats.num_bytes.get("load", 0) + num_good * self._file_bytes
-            stats.seconds.setdefault("load", []).append(time.perf_counter() - started)
-            for reason, count in errors.items():
-                stats.errors[reason] = stats.errors.get(reason, 0) + count
+        try:
+            for j, (_, key) in enumerate(pairs):
+                path = block_path(self.root, key)
+                reason = self._read(path, key, rows[j])
+                if reason is not None:
+                    logger.warning(
+                        "disk KV tier: block file %s is %s; the block is recomputed", path, reason
+                    )
+                    errors[reason] = errors.get(reason, 0) + 1
+                    bad.append(key)
+                    path.unlink(missing_ok=True)
+                    break
+                num_good += 1
+            if num_good:
+                self.io.scatter(block_ids[:num_good], data[:num_good])
+                num_loaded = num_good
+            completed = True
+        finally:
+            # Even after an unexpected error the request must not wait for ever: what
+            # did not reach its blocks is recomputed, and its files are dropped, so
+            # that they are written again rather than loaded (and failed) again.
+            if not completed:
+                errors["load_error"] = 1
+                for _, key in pairs[num_loaded:]:
+                    if key not in bad:
+                        bad.append(key)
+                        block_path(self.root, key).unlink(missing_ok=True)
+            with self._lock:
+                self._recving.add(req_id)
+                self._invalid.update(block_ids[num_loaded:])
+                self._feedback.bad.extend(bad)
+                stats = self._stats
+                loaded = num_loaded * self._file_bytes
+                stats.num_bytes["load"] = stats.num_bytes.get("load", 0) + loaded
+                stats.seconds.setdefault("load", []).append(time.perf_counter() - started)
+                for reason, count in errors.items():
+                    stats.errors[reason] = stats.errors.get(reason, 0) + count
 
     def _read(self, path: Path, key: str, row: Any) -> str | None:
         """Read block ``key``'s file into ``row``; None if it is good, else why not."""
