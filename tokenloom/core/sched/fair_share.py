@@ -190,12 +190,16 @@ class FairShare:
         queued = self.queued
         if len(active) < 2 or not queued:
             return None
-        demand = {name: min(share.queued_tokens, token_budget) for name, share in queued.items()}
-        total_demand = sum(demand.values())
-        total_weight = sum(share.weight for share in active.values())
+        # A tenant's demand: its waiting tokens up to the budget (0 when none wait).
+        total_demand = 0
+        for share in queued.values():
+            total_demand += min(share.queued_tokens, token_budget)
+        total_weight = 0.0
+        for share in active.values():
+            total_weight += share.weight
         caps = {}
         for name, share in active.items():
-            others = total_demand - demand.get(name, 0)
+            others = total_demand - min(share.queued_tokens, token_budget)
             if others:
                 fair = int(token_budget * share.weight / total_weight)
                 caps[name] = max(1, fair, token_budget - others)

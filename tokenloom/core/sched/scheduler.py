@@ -398,7 +398,7 @@ class Scheduler(SchedulerInterface):
                     num_new = max_model_len - num_computed
             if num_new > chunk_cap:
                 num_new = chunk_cap
-            if tenant_caps is not None and not spec:
+            if tenant_caps is not None and num_new > 1 and not spec:  # every cap is >= 1
                 tenant_cap = tenant_caps.get(request.tenant)
                 if tenant_cap is not None and num_new > tenant_cap:
                     num_new = tenant_cap
