@@ -28,10 +28,16 @@ windows, untimed), since a collection would walk both trees' objects. Each row
 gives the median over ``--repeats`` rounds per tree and the median of the
 rounds' current / TREE ratios.
 
+``--base-policy P`` times policy P of this checkout (or of TREE) as the base
+against ``--policy`` of this checkout, side by side in the same way: the fair
+policy's overhead over FCFS is ``--policy fair --base-policy fcfs``. Both runs
+get the same requests (same tenants and weights).
+
     .venv/bin/python benchmarks/scheduler/scheduler_overhead.py
     .venv/bin/python benchmarks/scheduler/scheduler_overhead.py --profile 1024
     .venv/bin/python benchmarks/scheduler/scheduler_overhead.py --compare /work/base --repeats 3 --freeze-gc
     .venv/bin/python benchmarks/scheduler/scheduler_overhead.py --compare /work/base --policy fair --tenants 4
+    .venv/bin/python benchmarks/scheduler/scheduler_overhead.py --policy fair --base-policy fcfs --tenants 4 --freeze-gc
 """
 
 from __future__ import annotations
@@ -96,8 +102,9 @@ class Tree:
         return self.Request(req_id, prompt, params, **kwargs)
 
 
-def load_tree(path: Path) -> Tree:
-    """Import tokenloom from ``path`` as a private copy.
+def load_tree(path: Path, policy: str | None = None) -> Tree:
+    """Import tokenloom from ``path`` as a private copy, to run ``policy`` (default
+    POLICY; fcfs where the tree does not know it).
 
     Its modules leave ``sys.modules`` again afterwards (they keep referring to
     one another), so two trees can be loaded into one process.
@@ -115,9 +122,9 @@ def load_tree(path: Path) -> Tree:
             raise RuntimeError(f"tokenloom came from {package.__file__}, not {path}")
         config = importlib.import_module("tokenloom.config")
         request_class = importlib.import_module("tokenloom.request").Request
+        policy = POLICY if policy is None else policy
         try:
-            config.SchedulerConfig(policy=POLICY)
-            policy = POLICY
+            config.SchedulerConfig(policy=policy)
         except ValueError:
             policy = "fcfs"
         tree = Tree(
@@ -339,6 +346,7 @@ def compare(base: Path, args: argparse.Namespace) -> None:
     flags += ["--wall"] * args.wall + ["--freeze-gc"] * args.freeze_gc
     flags += ["--policy", args.policy, "--tenants", str(args.tenants)]
     flags += ["--equal-weights"] * args.equal_weights
+    flags += ["--base-policy", args.base_policy] if args.base_policy else []
     rounds: dict[str, list[dict[str, dict[str, float]]]] = {w: [] for w in workloads}
     for rep in range(args.repeats):
         for workload in workloads:
@@ -359,10 +367,10 @@ def compare(base: Path, args: argparse.Namespace) -> None:
             )
 
     clock = "wall" if args.wall else "thread CPU"
-    policies = {path: load_tree(path).policy for path in (base, HERE)}
+    base_policy = load_tree(base, args.base_policy).policy
     print(
-        f"base = {base.resolve()} ({_tree_label(base)}, policy {policies[base]}), "
-        f"current = {HERE} ({_tree_label(HERE)}, policy {policies[HERE]}); "
+        f"base = {base.resolve()} ({_tree_label(base)}, policy {base_policy}), "
+        f"current = {HERE} ({_tree_label(HERE)}, policy {load_tree(HERE).policy}); "
         f"{args.tenants} tenant(s)" + (" of equal weight" if args.equal_weights else "")
     )
     print(
@@ -410,6 +418,11 @@ def main() -> None:
         "--policy", default="fcfs", help="scheduling policy (a tree without it runs fcfs)"
     )
     parser.add_argument(
+        "--base-policy",
+        metavar="POLICY",
+        help="time this policy (of --compare TREE, else of this checkout) as the base",
+    )
+    parser.add_argument(
         "--tenants", type=int, default=1, help="spread requests over this many tenants"
     )
     parser.add_argument(
@@ -426,13 +439,13 @@ def main() -> None:
     POLICY, TENANTS, EQUAL_WEIGHTS = args.policy, args.tenants, args.equal_weights
     if args.pair:
         base_path, workload = args.pair
-        trees = [load_tree(Path(base_path)), load_tree(HERE)]
+        trees = [load_tree(Path(base_path), args.base_policy), load_tree(HERE)]
         steps = args.mixed_steps if workload == "mixed" else args.steps
         base, current = measure(trees, workload, steps, args.seed)
         print(json.dumps({"base": base, "current": current}))
         return
-    if args.compare:
-        compare(args.compare, args)
+    if args.compare or args.base_policy:
+        compare(args.compare or HERE, args)
         return
     tree = load_tree(HERE)
     if args.profile:

@@ -21,7 +21,11 @@ from tests.pooling.tiny_models import (
     write_sentence_transformers,
 )
 from tokenloom import LLM
+from tokenloom.engine.args import EngineArgs
+from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.engine.core_client import AsyncInprocClient
 from tokenloom.pooling_params import PoolingParams
+from tokenloom.request import Request
 
 BLOCK = 16
 LENGTHS = (5, 17, 40, 33, 64, 1)
@@ -186,3 +190,41 @@ def test_sentence_transformers_files_choose_the_pooling(
     (output,) = llm.embed([prompt], use_tqdm=False)
     want = references["llama"].embed(prompt, "CLS", normalize=False)
     assert _max_diff(torch.tensor(output.outputs.embedding), want) < 1e-4
+
+
+async def test_async_encode_is_scheduled_under_its_tenant(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = EngineArgs(
+        model=str(model_dirs["qwen3"]),
+        runner="pooling",
+        pooler_config={"pooling_type": "LAST"},
+        dtype="float32",
+        policy="fair",
+        block_size=BLOCK,
+        num_blocks=64,
+        max_num_seqs=8,
+        log_stats=False,
+    )
+    engine = AsyncLLM.from_engine_args(args, multiprocess=False)
+    try:
+        client = engine.client
+        assert isinstance(client, AsyncInprocClient)
+        scheduler = client._client.core.scheduler
+        seen: list[tuple[str, str, float]] = []
+        add = scheduler.add_request
+
+        def record(request: Request) -> None:
+            seen.append((request.request_id, request.tenant, request.tenant_weight))
+            add(request)
+
+        monkeypatch.setattr(scheduler, "add_request", record)
+        stream = engine.encode([5, 6, 7], None, "e", tenant="team-a", tenant_weight=2.0)
+        outputs = [output async for output in stream]
+        assert outputs[-1].finished and len(outputs[-1].outputs.data) > 0
+        assert seen == [("e", "team-a", 2.0)]
+        with pytest.raises(ValueError, match="^tenant_weight must be a finite number > 0"):
+            async for _ in engine.encode([5], None, "w", tenant_weight=-1.0):
+                pass
+    finally:
+        engine.shutdown()

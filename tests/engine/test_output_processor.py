@@ -222,6 +222,11 @@ async def test_a_pooling_request_ends_with_its_vector(tokenizer: Any) -> None:
     )
     text, reqs = inputs.process_pooling("e", "Hello there")
     assert reqs[0].pooling_params is not None and reqs[0].pooling_params.normalize is True
+    assert (reqs[0].tenant, reqs[0].tenant_weight) == ("", 1.0)
+    _, (other,) = inputs.process_pooling("t", "Hi", tenant="team-a", tenant_weight=2)
+    assert (other.tenant, other.tenant_weight) == ("team-a", 2.0)
+    with pytest.raises(ValueError, match="^tenant_weight must be a finite number > 0"):
+        inputs.process_pooling("w", "Hi", tenant_weight=0)
     proc = OutputProcessor(tokenizer)
     collector: RequestOutputCollector[Any] = RequestOutputCollector(delta=False)
     proc.add_request("e", text, reqs, collector)

@@ -245,6 +245,8 @@ class FakeAsyncLLM:
         request_id: str,
         *,
         priority: int = 0,
+        tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[PoolingRequestOutput[PoolingOutput]]:
         """A vector of 4 values from the token ids (its first ``dimensions``), normalised
         unless asked not to be."""
@@ -268,6 +270,7 @@ class FakeAsyncLLM:
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens, longer than {self.max_model_len}")
         self.started.append(request_id)
+        self.tenants.append((tenant, tenant_weight))
         self.prompts.append(ids)
         self.pooling_params.append(params)
         try:

@@ -25,6 +25,7 @@ from tokenloom.entrypoints.openai.tenants import (
     load_tenants_file,
     parse_tenants,
 )
+from tokenloom.pooling.config import PoolerConfig
 
 from .fake_engine import FakeAsyncLLM
 
@@ -158,6 +159,22 @@ async def test_each_request_runs_as_its_keys_tenant(
     # Nothing in flight any more.
     gauges = ("tokenloom:tenant_requests_running{", "tokenloom:tenant_requests_waiting{")
     assert all(value == 0 for name, value in seen.items() if name.startswith(gauges))
+
+
+async def test_embeddings_run_as_the_keys_tenant() -> None:
+    engine = FakeAsyncLLM(pooler_config=PoolerConfig(pooling_type="LAST", hidden_size=4))
+    app = build_app(engine, access=AccessConfig(api_key="sk-admin", tenants=TENANTS))
+    async with client_for(app) as c:
+        for key, text in (("sk-alice", "abcd"), ("sk-admin", "xy")):
+            body = {"input": text, "model": "fake-model"}
+            r = await c.post("/v1/embeddings", json=body, headers=auth(key))
+            assert r.status_code == 200, r.text
+        seen = await metrics(c)
+    # The engine schedules each under its key's tenant and weight.
+    assert engine.tenants == [("alice", 3.0), ("default", 1.0)]
+    assert seen["tokenloom:tenant_requests_total{alice,}"] == 1
+    assert seen["tokenloom:tenant_prompt_tokens_total{alice,}"] == 4
+    assert seen["tokenloom:tenant_prompt_tokens_total{default,}"] == 2
 
 
 async def _refused(client: httpx.AsyncClient, key: str, reason: str) -> httpx.Response:

@@ -264,16 +264,21 @@ class AsyncLLM(EngineClient):
         request_id: str,
         *,
         priority: int = 0,
+        tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> AsyncGenerator[PoolingRequestOutput[PoolingOutput], None]:
         """The pooled output of one prompt (a pooling engine: ``--runner pooling``), as
-        one final item. Raises ``ValueError`` (naming the field) for an invalid
-        request and ``EngineDeadError`` when the engine dies."""
+        one final item. ``tenant`` and ``tenant_weight``: who sent it, for the fair
+        policy. Raises ``ValueError`` (naming the field) for an invalid request and
+        ``EngineDeadError`` when the engine dies."""
         process = functools.partial(
             self.input_processor.process_pooling,
             request_id,
             prompt,
             pooling_params,
             priority=priority,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
         )
         collector: RequestOutputCollector[PoolingRequestOutput[PoolingOutput]]
         collector = RequestOutputCollector(delta=False)

@@ -164,16 +164,7 @@ class InputProcessor:
             raise ValueError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
             )
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if not isinstance(tenant, str):
-            raise ValueError(f"tenant must be a string, got {tenant!r}")
-        if (
-            isinstance(tenant_weight, bool)
-            or not isinstance(tenant_weight, (int, float))
-            or not 0 < tenant_weight < float("inf")
-        ):
-            raise ValueError(f"tenant_weight must be a finite number > 0, got {tenant_weight!r}")
+        _check_priority_and_tenant(priority, tenant, tenant_weight)
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise ValueError(
                 f"logprobs ({params.logprobs}) exceeds the engine's limit of {self.max_logprobs} "
@@ -231,10 +222,13 @@ class InputProcessor:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> tuple[str | None, list[EngineCoreRequest]]:
         """Validate one prompt of a pooling (embedding) request; return its text and its
         core request, its parameters completed from the pooler config. A prompt over
-        the context is refused unless ``truncate_prompt_tokens`` keeps its last tokens."""
+        the context is refused unless ``truncate_prompt_tokens`` keeps its last tokens.
+        ``tenant`` and ``tenant_weight`` name who sent it (for the fair policy)."""
         pooler = self.pooler_config
         if pooler is None:
             raise ValueError(
@@ -243,8 +237,7 @@ class InputProcessor:
             )
         if params is not None and not isinstance(params, PoolingParams):
             raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        _check_priority_and_tenant(priority, tenant, tenant_weight)
         params = pooler.request_params(params, self.served_model_name)
         limit = self.max_model_len
         truncate = params.truncate_prompt_tokens
@@ -268,6 +261,8 @@ class InputProcessor:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             priority=priority,
             pooling_params=params,
+            tenant=tenant,
+            tenant_weight=float(tenant_weight),
         )
         return text, [request]
 
@@ -414,3 +409,17 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Completion ``index`` of ``n``: n=1, and a distinct seed so seeded children differ."""
     seed = None if params.seed is None else params.seed + index
     return dataclasses.replace(params, n=1, seed=seed)
+
+
+def _check_priority_and_tenant(priority: int, tenant: str, tenant_weight: float) -> None:
+    """Refuse a priority, tenant or tenant weight of the wrong type or range."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if not isinstance(tenant, str):
+        raise ValueError(f"tenant must be a string, got {tenant!r}")
+    if (
+        isinstance(tenant_weight, bool)
+        or not isinstance(tenant_weight, (int, float))
+        or not 0 < tenant_weight < float("inf")
+    ):
+        raise ValueError(f"tenant_weight must be a finite number > 0, got {tenant_weight!r}")

@@ -153,8 +153,13 @@ class EngineClient(Protocol):
         request_id: str,
         *,
         priority: int = 0,
+        tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[PoolingRequestOutput[PoolingOutput]]:
         """The pooled output of one prompt on a pooling engine, as one final item.
+
+        ``tenant`` and ``tenant_weight`` travel with the request to the scheduler,
+        as for ``generate``.
 
         Raises ``ValueError`` (naming the field: ``prompt``, ``dimensions``,
         ``truncate_prompt_tokens``, ...) for an invalid request and

@@ -26,8 +26,14 @@ admission, so the request admitted most recently by the fair order gives
 way, and the one admitted earliest always progresses), and whether a
 waiting request may take a seat from a tenant holding more than its share of
 the running batch (``reclaim_victim``). With one tenant busy every answer is
-FCFS's, and charging a step costs O(1); with several, the scheduler counts
-each tenant's tokens as it schedules them (``charge_step``).
+FCFS's, and charging a step costs O(1); with several, a step is charged one
+token per running request of each tenant, corrected for the requests that
+got more or none (``charge_running``), or recounted when it preempted.
+
+Everything a step reads is kept up to date as requests come and go rather
+than recomputed per step: each tenant's running requests with their virtual
+starts (in admission order, so its last one started last), its waiting
+requests' token total, and its running count.
 """
 
 from __future__ import annotations
@@ -41,7 +47,10 @@ from tokenloom.request import Request
 class TenantShare:
     """One tenant's account: weight, virtual time, live requests and waiting queue."""
 
-    __slots__ = ("name", "weight", "vtime", "num_requests", "num_running", "waiting")
+    __slots__ = (
+        "name", "weight", "vtime", "num_requests", "num_running", "running", "waiting",
+        "queued_tokens",
+    )  # fmt: skip
 
     def __init__(self, name: str, weight: float) -> None:
         self.name = name
@@ -51,8 +60,12 @@ class TenantShare:
         # Its requests in the scheduler (waiting, running or preempted), and those running.
         self.num_requests = 0
         self.num_running = 0
-        # Its waiting requests, in the order it sent them (preempted ones in front).
+        # Its running requests in admission order -> (virtual start, admission number).
+        self.running: dict[Request, tuple[float, int]] = {}
+        # Its waiting requests, in the order it sent them (preempted ones in front),
+        # and their tokens (kept by FairRequestQueue).
         self.waiting: deque[Request] = deque()
+        self.queued_tokens = 0
 
     def __repr__(self) -> str:
         return (
@@ -75,8 +88,8 @@ class FairShare:
         self.active: dict[str, TenantShare] = {}
         # Tenants with waiting requests (kept by FairRequestQueue).
         self.queued: dict[str, TenantShare] = {}
-        # Running request id -> its tenant's virtual time when it was admitted.
-        self.starts: dict[str, float] = {}
+        # Admissions so far: orders running requests of different tenants.
+        self.num_admitted = 0
         self.clock = 0.0
 
     # ------------------------------------------------------------------ membership
@@ -99,12 +112,14 @@ class FairShare:
         """A waiting request starts running with ``num_tokens`` scheduled."""
         share = self.tenants[request.tenant]
         share.num_running += 1
-        self.starts[request.request_id] = share.vtime
+        share.running[request] = (share.vtime, self.num_admitted)
+        self.num_admitted += 1
         share.vtime += num_tokens / share.weight
 
     def preempted(self, request: Request) -> None:
-        self.tenants[request.tenant].num_running -= 1
-        del self.starts[request.request_id]
+        share = self.tenants[request.tenant]
+        share.num_running -= 1
+        del share.running[request]
 
     def leave(self, request: Request, running: bool) -> None:
         """A request left the scheduler (finished, aborted or refused), from ``running``
@@ -113,7 +128,7 @@ class FairShare:
         share.num_requests -= 1
         if running:
             share.num_running -= 1
-            del self.starts[request.request_id]
+            del share.running[request]
         if share.num_requests:
             return
         # Service while it was busy moves the clock even if it was busy alone.
@@ -134,10 +149,6 @@ class FairShare:
         share = self.tenants[request.tenant]
         share.vtime += num_tokens / share.weight
 
-    def running_counts(self) -> dict[str, int]:
-        """Running requests per busy tenant (a step's tally when each gets one token)."""
-        return {name: share.num_running for name, share in self.active.items()}
-
     def tally(self, num_scheduled: dict[str, int], requests: dict[str, Request]) -> dict[str, int]:
         """Tokens per busy tenant in ``num_scheduled``, counted one request at a time."""
         tokens = dict.fromkeys(self.active, 0)
@@ -157,6 +168,17 @@ class FairShare:
             share = active[name]
             share.vtime += num / share.weight
 
+    def charge_running(self, extra: dict[str, int]) -> None:
+        """Charge a step that preempted nobody: each busy tenant one token per running
+        request, plus ``extra[tenant]`` (tokens beyond one per request; negative for
+        requests that got none)."""
+        if extra:
+            for share in self.active.values():
+                share.vtime += (share.num_running + extra.get(share.name, 0)) / share.weight
+        else:
+            for share in self.active.values():
+                share.vtime += share.num_running / share.weight
+
     # ------------------------------------------------------------------ decisions
 
     def chunk_caps(self, token_budget: int) -> dict[str, int] | None:
@@ -168,12 +190,16 @@ class FairShare:
         queued = self.queued
         if len(active) < 2 or not queued:
             return None
-        demand = {name: _queued_tokens(share, token_budget) for name, share in queued.items()}
-        total_demand = sum(demand.values())
-        total_weight = sum(share.weight for share in active.values())
+        # A tenant's demand: its waiting tokens up to the budget (0 when none wait).
+        total_demand = 0
+        for share in queued.values():
+            total_demand += min(share.queued_tokens, token_budget)
+        total_weight = 0.0
+        for share in active.values():
+            total_weight += share.weight
         caps = {}
         for name, share in active.items():
-            others = total_demand - demand.get(name, 0)
+            others = total_demand - min(share.queued_tokens, token_budget)
             if others:
                 fair = int(token_budget * share.weight / total_weight)
                 caps[name] = max(1, fair, token_budget - others)
@@ -182,16 +208,21 @@ class FairShare:
     def pick_victim(self, running: list[Request]) -> int:
         """Index of the running request to preempt: the one with the latest virtual
         start, the later admitted on a tie (the last one when one tenant is busy)."""
-        last = len(running) - 1
         if len(self.active) < 2:
-            return last
-        starts = self.starts
-        best, best_start = last, -math.inf
-        for i in range(last, -1, -1):
-            start = starts[running[i].request_id]
-            if start > best_start:
-                best, best_start = i, start
-        return best
+            return len(running) - 1
+        # A tenant's starts never fall in admission order, so its last running
+        # request has its latest start; across tenants the admission number
+        # breaks ties (it follows ``running``'s order).
+        victim: Request | None = None
+        latest = (-math.inf, -1)
+        for share in self.active.values():
+            if share.running:
+                last = next(reversed(share.running))
+                start = share.running[last]
+                if start > latest:
+                    victim, latest = last, start
+        assert victim is not None, "pick_victim with nothing running"
+        return running.index(victim)
 
     def reclaim_victim(
         self, request: Request, running: list[Request], candidates: int
@@ -237,12 +268,17 @@ class FairShare:
         for request in running:
             counts[request.tenant] = counts.get(request.tenant, 0) + 1
         assert counts == {n: s.num_running for n, s in self.active.items() if s.num_running}
-        assert self.starts.keys() == {request.request_id for request in running}
+        for name, share in self.tenants.items():
+            assert share.num_running == len(share.running)
+            assert list(share.running) == [r for r in running if r.tenant == name]
+            assert share.queued_tokens == sum(r.num_tokens for r in share.waiting)
         latest: dict[str, float] = {}
+        previous = -1
         for request in running:  # starts never fall in admission order (reclaim_victim)
-            start = self.starts[request.request_id]
+            start, number = self.tenants[request.tenant].running[request]
             assert start >= latest.get(request.tenant, -math.inf), (request, start, latest)
-            latest[request.tenant] = start
+            assert number > previous, "running is in admission order"
+            latest[request.tenant], previous = start, number
         for name, share in self.active.items():
             assert self.tenants[name] is share and share.num_requests > 0
         for name, share in self.queued.items():
@@ -252,13 +288,3 @@ class FairShare:
                 share.num_requests
             )
             assert len(share.waiting) + share.num_running <= share.num_requests
-
-
-def _queued_tokens(share: TenantShare, limit: int) -> int:
-    """Tokens of ``share``'s waiting requests, counted up to ``limit``."""
-    total = 0
-    for request in share.waiting:
-        total += request.num_tokens
-        if total >= limit:
-            return limit
-    return total

@@ -181,8 +181,12 @@ class FairRequestQueue(RequestQueue):
         self._len = 0
 
     def _head_share(self) -> TenantShare:
+        queued = self.fair.queued
+        if len(queued) == 1:
+            for share in queued.values():
+                return share
         best: TenantShare | None = None
-        for share in self.fair.queued.values():
+        for share in queued.values():
             if (
                 best is None
                 or share.vtime < best.vtime
@@ -200,6 +204,7 @@ class FairRequestQueue(RequestQueue):
         share = self.fair.tenants[request.tenant]
         self.fair.queued[share.name] = share
         self._len += 1
+        share.queued_tokens += request.num_tokens
         return share
 
     def add(self, request: Request) -> None:
@@ -211,6 +216,7 @@ class FairRequestQueue(RequestQueue):
     def pop(self) -> Request:
         share = self._head_share()
         request = share.waiting.popleft()
+        share.queued_tokens -= request.num_tokens
         if not share.waiting:
             del self.fair.queued[share.name]
         self._len -= 1
@@ -228,6 +234,7 @@ class FairRequestQueue(RequestQueue):
             kept = deque(r for r in share.waiting if r not in gone)
             self._len -= len(share.waiting) - len(kept)
             share.waiting = kept
+            share.queued_tokens = sum(r.num_tokens for r in kept)
             if not kept:
                 del queued[share.name]
 

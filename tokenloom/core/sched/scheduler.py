@@ -350,14 +350,14 @@ class Scheduler(SchedulerInterface):
         orphans: list[str] = []
         fair = self._fair
         # Fair policy with several tenants busy: each tenant's largest prefill chunk
-        # while others wait, and its tokens this step. The tally starts at one token
-        # per running request, the fast path's share (capped at one token), and the
-        # slow path corrects it; a step that preempts or runs out recounts exactly.
-        tally: dict[str, int] | None = None
+        # while others wait, and its tokens this step beyond one per running request
+        # (the fast path's share, capped at one token), which the slow path adds up;
+        # a step that preempts or runs out recounts exactly.
+        extra: dict[str, int] | None = None
         tenant_caps: dict[str, int] | None = None
         recount = False
         if fair is not None and len(fair.active) > 1:
-            tally = fair.running_counts()
+            extra = {}
             tenant_caps = fair.chunk_caps(token_budget)
             fast_cap = min(fast_cap, 1)
 
@@ -399,13 +399,15 @@ class Scheduler(SchedulerInterface):
                     num_new = max_model_len - num_computed
             if num_new > chunk_cap:
                 num_new = chunk_cap
-            if tenant_caps is not None and not spec:
-                num_new = min(num_new, tenant_caps.get(request.tenant, num_new))
+            if tenant_caps is not None and num_new > 1 and not spec:  # every cap is >= 1
+                tenant_cap = tenant_caps.get(request.tenant)
+                if tenant_cap is not None and num_new > tenant_cap:
+                    num_new = tenant_cap
             if num_new > token_budget:
                 num_new = token_budget
             if num_new <= 0:
-                if tally is not None:
-                    tally[request.tenant] -= 1
+                if extra is not None:
+                    extra[request.tenant] = extra.get(request.tenant, 0) - 1
                 continue
             encoder_inputs: list[int] = []
             encoder_tokens = 0
@@ -414,8 +416,8 @@ class Scheduler(SchedulerInterface):
                     request, num_computed, num_new, step.encoder_budget, self.encoder_cache_manager
                 )
                 if num_new <= 0:
-                    if tally is not None:
-                        tally[request.tenant] -= 1
+                    if extra is not None:
+                        extra[request.tenant] = extra.get(request.tenant, 0) - 1
                     continue
             # Draft tokens get slots as lookahead so the manager never caches
             # blocks holding unverified tokens.
@@ -460,13 +462,16 @@ class Scheduler(SchedulerInterface):
             if token_budget < fast_cap:
                 fast_cap = token_budget
             request.num_computed_tokens = num_computed + num_new
-            if tally is not None:
-                tally[request.tenant] += num_new - 1
+            if extra is not None and num_new != 1:
+                extra[request.tenant] = extra.get(request.tenant, 0) + num_new - 1
         step.token_budget = token_budget
         if fair is not None:
-            if recount or preempted:
-                tally = fair.tally(num_scheduled, self.requests)
-            fair.charge_step(tally, self.scheduler_config.max_num_batched_tokens - token_budget)
+            if extra is None:
+                fair.charge_step(None, self.scheduler_config.max_num_batched_tokens - token_budget)
+            elif recount or preempted:
+                fair.charge_step(fair.tally(num_scheduled, self.requests), 0)
+            else:
+                fair.charge_running(extra)
 
         if not preempted_ids and self.waiting:
             self._admit_waiting(step, mm_scheduled, preempted_ids, tenant_caps, orphans)

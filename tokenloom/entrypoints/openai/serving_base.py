@@ -39,7 +39,7 @@ from tokenloom.sampling_params import SamplingParams
 from .body import decode_body
 from .errors import OpenAIError, from_value_error
 from .serving_lora import LoRAAdapters
-from .tenants import current_lease
+from .tenants import TenantLease, current_lease
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -311,7 +311,7 @@ class OpenAIServing:
         of its tokens as they come.
         """
         lease = current_lease.get()
-        tenant = lease.tenant if lease is not None else None
+        tenant, tenant_weight = _tenant_of(lease)
         stream = self.engine.generate(
             prompt,
             params,
@@ -320,8 +320,8 @@ class OpenAIServing:
             delta=delta,
             lora_request=lora_request,
             trace_headers=trace_headers,
-            tenant=tenant.name if tenant is not None else "",
-            tenant_weight=tenant.weight if tenant is not None else 1.0,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
         )
         num_generated = 0
         in_use: AbstractContextManager[None] = (
@@ -350,9 +350,18 @@ class OpenAIServing:
         prompt_param: str,
     ) -> AsyncIterator[PoolingRequestOutput[PoolingOutput]]:
         """``engine.encode`` (a pooling request) with errors mapped to OpenAIError and
-        admission bookkeeping; its prompt tokens count against its tenant's limits."""
+        admission bookkeeping. It runs as its tenant, whose limits its prompt tokens
+        count against."""
         lease = current_lease.get()
-        stream = self.engine.encode(prompt, params, request_id, priority=priority)
+        tenant, tenant_weight = _tenant_of(lease)
+        stream = self.engine.encode(
+            prompt,
+            params,
+            request_id,
+            priority=priority,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
+        )
         async with aclosing(self._admitted(stream, fields, prompt_param)) as outputs:
             async for output in outputs:
                 if lease is not None:
@@ -410,6 +419,13 @@ class OpenAIServing:
         if isinstance(prompt, str):
             return prompt
         return await off_loop(lambda: str(self.tokenizer.decode(prompt)))
+
+
+def _tenant_of(lease: TenantLease | None) -> tuple[str, float]:
+    """The name and weight the engine schedules a request under ("" and 1: no lease)."""
+    if lease is None:
+        return "", 1.0
+    return lease.tenant.name, lease.tenant.weight
 
 
 def sse(payload: BaseModel | dict[str, Any], *, drop: Sequence[str] = ()) -> str:
