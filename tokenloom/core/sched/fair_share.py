@@ -210,17 +210,15 @@ class FairShare:
         start, the later admitted on a tie (the last one when one tenant is busy)."""
         if len(self.active) < 2:
             return len(running) - 1
-        # A tenant's starts never fall in admission order, so its last running
-        # request has its latest start; across tenants the admission number
-        # breaks ties (it follows ``running``'s order).
+        # The latest start; on a tie the later admission number (``running``'s order).
+        # A resumed request can start before its tenant's earlier admissions, so
+        # every running request is looked at.
         victim: Request | None = None
         latest = (-math.inf, -1)
         for share in self.active.values():
-            if share.running:
-                last = next(reversed(share.running))
-                start = share.running[last]
+            for request, start in share.running.items():
                 if start > latest:
-                    victim, latest = last, start
+                    victim, latest = request, start
         assert victim is not None, "pick_victim with nothing running"
         return running.index(victim)
 
@@ -272,13 +270,11 @@ class FairShare:
             assert share.num_running == len(share.running)
             assert list(share.running) == [r for r in running if r.tenant == name]
             assert share.queued_tokens == sum(r.num_tokens for r in share.waiting)
-        latest: dict[str, float] = {}
         previous = -1
-        for request in running:  # starts never fall in admission order (reclaim_victim)
-            start, number = self.tenants[request.tenant].running[request]
-            assert start >= latest.get(request.tenant, -math.inf), (request, start, latest)
+        for request in running:
+            _, number = self.tenants[request.tenant].running[request]
             assert number > previous, "running is in admission order"
-            latest[request.tenant], previous = start, number
+            previous = number
         for name, share in self.active.items():
             assert self.tenants[name] is share and share.num_requests > 0
         for name, share in self.queued.items():
