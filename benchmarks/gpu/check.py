@@ -15,8 +15,9 @@ Sections (``check.sh`` runs them in this order, each in its own process):
   shapes (``--load-format dummy``) in bf16, beside the floor of weight bytes
   read per token over the measured bandwidth; graphs against eager.
 - ``workload``: 1,000 seeded requests (prompts 128-2,048, outputs 64-512 tokens)
-  on both shapes: output and total tok/s, the total as a share of the matrix
-  roofline, and the GPU's idle share between kernels (torch profiler).
+  on both shapes, with ``--async-scheduling`` (``--no-async-scheduling``: without):
+  output and total tok/s, the total as a share of the matrix roofline, and the
+  GPU's idle share between kernels (torch profiler).
 - ``hf``: transformers' static batches over a sample of the same workload, at a
   few batch sizes, for the best of them.
 
@@ -602,7 +603,12 @@ def section_workload(args: argparse.Namespace, results: Results) -> None:
     output_tokens = sum(n for _, n in requests)
     for shape in args.shapes.split(","):
         llm = dummy_llm(
-            args, shape, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.9
+            args,
+            shape,
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            gpu_memory_utilization=0.9,
+            async_scheduling=args.async_scheduling,
         )
         start = time.perf_counter()
         llm.generate([p for p, _ in requests], sampling, use_tqdm=False)
@@ -615,6 +621,7 @@ def section_workload(args: argparse.Namespace, results: Results) -> None:
         results.add(
             section="workload",
             model=shape,
+            async_scheduling=args.async_scheduling,
             requests=len(requests),
             prompt_tokens=prompt_tokens,
             output_tokens=output_tokens,
@@ -703,6 +710,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the workload section's engine schedules each step while the GPU runs the last",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     SECTIONS[args.section](args, Results(args.out))
