@@ -112,13 +112,13 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "status", "num_computed_tokens", "spec_token_ids", "all_token_ids", "tenant",
+        "request_id", "status", "num_computed_tokens", "spec_token_ids", "all_token_ids",
+        "num_output_placeholders", "tenant",
         "output_token_ids", "stopping_token_ids", "_open_below", "_open_for", "client_index",
         "num_cached_tokens", "sampling_params", "eos_token_id", "arrival_time", "priority",
         "stop_reason", "prompt_token_ids", "num_prompt_tokens", "num_preemptions", "max_tokens",
         "min_tokens", "block_hashes", "lora_request", "lora_int_id", "structured_output_request",
         "mm_features", "mm_end", "tenant_weight", "kv_transfer_params", "pooling_params",
-        "num_output_placeholders",
     )  # fmt: skip
 
     def __init__(

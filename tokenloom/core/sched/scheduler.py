@@ -896,8 +896,8 @@ class Scheduler(SchedulerInterface):
             self._fair.preempted(request)
         request.status = _PREEMPTED
         request.num_computed_tokens = 0
-        # A step still running may have sampled for it: that token is dropped, and
-        # recomputed once it resumes.
+        # A step still running may have sampled for it: update_from_output keeps
+        # that token (async scheduling), which the resumed request then includes.
         request.num_output_placeholders = 0
         request.num_preemptions += 1
         request.spec_token_ids = []
