@@ -55,7 +55,7 @@ def teacher_forced(
     """(perplexity of ``ids``, argmax at every position) in CHUNK-token sequences,
     ``step`` tokens per forward pass (the matmuls see that many rows), over the
     KV cache dtype ``kv_cache_dtype="auto"`` gives the model."""
-    kv_dtype = resolve_kv_cache_dtype("auto", loaded.dtype, loaded.quantized)
+    kv_dtype = resolve_kv_cache_dtype("auto", loaded.weights_dtype, loaded.quantized)
     caches = allocate_kv_caches(loaded.arch, CHUNK // BLOCK + 1, BLOCK, kv_dtype, loaded.device)
     # The runner's attention kernel: with it, decode-sized passes of a quantized
     # model run through its native decoder stack, as they do when serving.
@@ -125,7 +125,7 @@ def test_default_gguf_numerics_match_dequantized(
 
 def test_explicit_float_dtype_dequantizes() -> None:
     loaded = load_model(ModelConfig(model=None, dtype="bfloat16"))
-    assert loaded.dtype == torch.bfloat16
+    assert loaded.weights_dtype == torch.bfloat16
     assert not any(isinstance(m, QuantLinear) for m in loaded.model.modules())
 
 

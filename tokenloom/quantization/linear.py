@@ -25,7 +25,8 @@ class QuantLinear(nn.Module):
         self.in_features = weight.in_features
         self.out_features = weight.out_features
         # The native kernel, where this process has it; else (or where the forward
-        # plan says matmul=torch: ``use_native_matmul``) dequantize per call.
+        # plan says matmul=torch: ``model.panel_linear.use_native_matmul``)
+        # dequantize per call.
         self.native = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,6 +57,11 @@ class QuantLinear(nn.Module):
         ``silu_and_mul``. Only where ``has_silu_product``."""
         return torch.ops.tokenloom_quant.quant_linear_silu(x, *self.qweight.kernel_args())
 
+    def native_projection(self) -> object:
+        """This projection as the native decoder stack takes it
+        (``model.panel_linear.NativeProjection``)."""
+        return torch.classes.tokenloom_quant.QuantProjection(*self.qweight.kernel_args())
+
 
 class QuantEmbedding(nn.Module):
     """Gathers rows of a quantized [vocab, hidden] matrix as float32."""
@@ -69,14 +75,6 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         return self.qweight.dequantize(flat).view(*ids.shape, -1)
-
-
-def use_native_matmul(module: nn.Module, native: bool) -> None:
-    """Whether every ``QuantLinear`` under ``module`` computes through the native
-    kernel (where this process has it) or dequantizes per call."""
-    for child in module.modules():
-        if isinstance(child, QuantLinear):
-            child.native = native
 
 
 def quantized_weight_bytes(module: nn.Module) -> int:
