@@ -3,7 +3,7 @@ over any weights whose projections have a native kernel: quantized panels
 (``quantization.linear.QuantLinear``) or float ones (``panel_linear.PanelLinear``).
 
 The stack is given the layers' recipe (``DecoderLayer.recipe``) by step name and
-each projection as a native object (``NativeProjection.native_projection``), and
+each projection as a native object (``PanelProjection.native_projection``), and
 runs the recipe in C++ with the kernels the modules call, so its output equals
 theirs bit for bit. It computes models whose layers share one recipe of steps it
 implements, with projections without bias, full rotate-half RoPE, no sliding
@@ -26,7 +26,7 @@ import torch
 
 from tokenloom.model.attention import AttentionMetadata
 from tokenloom.model.llama import CausalLM, DecoderLayer, KVCache
-from tokenloom.model.panel_linear import NativeProjection
+from tokenloom.model.panel_linear import PanelProjection
 from tokenloom.model.recipe import PROJECTIONS
 from tokenloom.ops.native_library import kernels_enabled, load_library
 
@@ -62,7 +62,7 @@ class DecoderStack:
             for step in recipe:
                 if step.op in PROJECTIONS:
                     proj = layer.get_submodule(PROJECTIONS[step.op])
-                    if not isinstance(proj, NativeProjection):
+                    if not isinstance(proj, PanelProjection):
                         raise ValueError(
                             f"the decoder stack needs native projections; "
                             f"{PROJECTIONS[step.op]} is a {type(proj).__name__}"

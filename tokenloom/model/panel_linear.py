@@ -19,7 +19,6 @@ else float32 activations against weights widened in registers
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -53,15 +52,61 @@ def unpack_rows(panels: torch.Tensor, k: int, rows: torch.Tensor | None = None) 
     return picked.reshape(rows.shape[0], -1)[:, :k]
 
 
-@runtime_checkable
-class NativeProjection(Protocol):
-    """A projection module with a native kernel (``PanelLinear``, quantization's
-    ``QuantLinear``): ``native`` says whether it runs it (the forward plan's
-    matmul), and the decoder stack takes its weight as ``native_projection()``."""
+class PanelProjection(nn.Module):
+    """``y = x @ W.T + bias`` with float32 activations, over a weight in panels of
+    ``PANEL`` output rows whatever its format: ``PanelLinear`` (float weights) and
+    quantization's ``QuantLinear`` say how to multiply (``matmul``), this class what
+    a projection module does around it.
 
-    native: bool
+    ``native`` (the forward plan's matmul, see ``use_native_matmul``): the native
+    kernel; else the subclass's torch path."""
 
-    def native_projection(self) -> object: ...
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.bias = bias
+        self.in_features = in_features
+        self.out_features = out_features
+        self.native = True
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` for 2-D float32 ``x``, natively or not as ``native`` says."""
+        raise NotImplementedError
+
+    def kernel_available(self) -> bool:
+        """Whether this process has the native kernel."""
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The decoder's 2-D float32 rows go straight to the kernel, with no op
+        # around it: this runs for every projection of every layer each step.
+        if x.dim() != 2:
+            return self(x.reshape(-1, self.in_features)).view(*x.shape[:-1], -1)
+        out = self.matmul(x)
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+    @property
+    def has_silu_product(self) -> bool:
+        """Whether ``silu_product`` runs: the native kernel, no bias, and each half
+        of the output whole panels (as the decoder stack's ``has_silu_product``)."""
+        return (
+            self.native
+            and self.bias is None
+            and self.out_features % (2 * PANEL) == 0
+            and self.kernel_available()
+        )
+
+    def silu_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(y[:, :N / 2]) * y[:, N / 2:]`` of ``y = self(x)`` (2-D ``x``), a
+        SwiGLU MLP's activation, computed as the native kernel's output: ``y`` is
+        never stored. The same bits as the projection, then layer_ops'
+        ``silu_and_mul``. Only where ``has_silu_product``."""
+        raise NotImplementedError
+
+    def native_projection(self) -> object:
+        """This projection as the native decoder stack takes it."""
+        raise NotImplementedError
 
 
 @dataclass
@@ -93,53 +138,30 @@ class DensePanels:
         return self.panels, self.in_features, self.out_features
 
 
-class PanelLinear(nn.Module):
-    """``y = x @ weight.T + bias`` with float32 activations, the weight in panels.
-
-    ``native`` (the forward plan's matmul, see ``use_native_matmul``): the native
-    kernel; else the weight is unpacked per call for ``F.linear`` in its dtype."""
+class PanelLinear(PanelProjection):
+    """A float weight in panels: the native dense kernel, or the weight unpacked
+    per call for ``F.linear`` in its dtype."""
 
     def __init__(self, weight: DensePanels, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
+        super().__init__(weight.in_features, weight.out_features, bias)
         self.weight_panels = weight
-        self.bias = bias
-        self.in_features = weight.in_features
-        self.out_features = weight.out_features
-        self.native = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The decoder's 2-D float32 rows go straight to the kernel, with no op
-        # around it: this runs for every projection of every layer each step.
-        if x.dim() != 2:
-            return self(x.reshape(-1, self.in_features)).view(*x.shape[:-1], -1)
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
             out: torch.Tensor = torch.ops.tokenloom_cpu.dense_linear(
                 x, *self.weight_panels.kernel_args()
             )
-        else:
-            weight = self.weight_panels.rows()
-            out = F.linear(x.to(weight.dtype), weight).float()
-        if self.bias is not None:
-            out += self.bias
-        return out
-
-    @property
-    def has_silu_product(self) -> bool:
-        """Whether ``silu_product`` runs: the native kernel, no bias, and each half
-        of the output whole panels (as the decoder stack's ``has_silu_product``)."""
-        return self.native and self.bias is None and self.out_features % (2 * PANEL) == 0
+            return out
+        weight = self.weight_panels.rows()
+        return F.linear(x.to(weight.dtype), weight).float()
 
     def silu_product(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(y[:, :N / 2]) * y[:, N / 2:]`` of ``y = self(x)`` (2-D ``x``), the
-        same bits as the projection then layer_ops' ``silu_and_mul``, without ``y``.
-        Only where ``has_silu_product``."""
         out: torch.Tensor = torch.ops.tokenloom_cpu.dense_linear_silu(
             x, *self.weight_panels.kernel_args()
         )
         return out
 
     def native_projection(self) -> object:
-        """This projection as the native decoder stack takes it."""
         return torch.classes.tokenloom_cpu.DenseProjection(*self.weight_panels.kernel_args())
 
     @property
@@ -175,8 +197,8 @@ def pack_linears(module: nn.Module) -> int:
 
 
 def use_native_matmul(module: nn.Module, native: bool) -> None:
-    """Whether every ``NativeProjection`` under ``module`` runs its native kernel or
+    """Whether every ``PanelProjection`` under ``module`` runs its native kernel or
     its torch path (the forward plan's matmul=torch)."""
     for child in module.modules():
-        if isinstance(child, NativeProjection):
+        if isinstance(child, PanelProjection):
             child.native = native
