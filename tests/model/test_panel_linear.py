@@ -182,6 +182,9 @@ def test_the_embedding_gathers_the_heads_rows(dtype: torch.dtype) -> None:
     assert gathered.dtype == torch.float32 and torch.equal(gathered, w[ids].float())
     head = PanelLinear(panels)
     assert head.native_projection().forward(gathered[0]).equal(head(gathered[0]))
+    # More tokens than the vocabulary has rows: a prefill's embedding.
+    many = torch.arange(100) % 37
+    assert torch.equal(PanelEmbedding(panels)(many), w[many].float())
 
 
 def test_every_other_built_variant_passes_these_tests() -> None:

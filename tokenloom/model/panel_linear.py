@@ -131,7 +131,9 @@ class DensePanels:
 
     def rows(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight's rows ``rows`` (all if None) in their own dtype."""
-        return unpack_rows(self.panels, self.in_features, rows)[: self.out_features]
+        if rows is None:  # without the padding rows of the last panel
+            return unpack_rows(self.panels, self.in_features)[: self.out_features]
+        return unpack_rows(self.panels, self.in_features, rows)
 
     def kernel_args(self) -> tuple[torch.Tensor, int, int]:
         """The native kernel's arguments after ``x``."""
