@@ -148,6 +148,12 @@ class PanelLinear(PanelProjection):
         super().__init__(weight.in_features, weight.out_features, bias)
         self.weight_panels = weight
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The matrix [out, in] in its dtype, as ``nn.Linear.weight`` holds it: unpacked
+        from the panels on each read, a copy to look at (the panels are what runs)."""
+        return self.weight_panels.rows()
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
             out: torch.Tensor = torch.ops.tokenloom_cpu.dense_linear(
@@ -178,6 +184,11 @@ class PanelEmbedding(nn.Module):
     def __init__(self, weight: DensePanels) -> None:
         super().__init__()
         self.weight_panels = weight
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The table [vocab, hidden] in its dtype, unpacked: as ``PanelLinear.weight``."""
+        return self.weight_panels.rows()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
