@@ -101,6 +101,7 @@ def test_float_weights_are_packed_in_their_dtype_and_run_as_one_stack(
     # Norms compute with the float32 activations.
     assert {p.dtype for n, p in model.named_parameters() if "norm" in n} == {torch.float32}
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert_tied_head_is_the_embedding(loaded)
 
 
 def test_float32_weights_can_run_prepacked_for_mkl(
@@ -113,6 +114,19 @@ def test_float32_weights_can_run_prepacked_for_mkl(
     assert isinstance(loaded.model.logits_head, PackedLinear)
     assert isinstance(loaded.model.layers[0].self_attn.qkv_proj, PackedLinear)
     assert loaded.model.decoder_stack is None
+    assert_tied_head_is_the_embedding(loaded)
+
+
+def assert_tied_head_is_the_embedding(loaded: LoadedModel) -> None:
+    """The logits are the hidden states times the embedding's rows (within the
+    rounding of bfloat16 activations, which the kernel may multiply in)."""
+    model = loaded.model
+    hidden = torch.randn(4, model.arch.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = torch.nn.functional.linear(hidden, model.embed_tokens.weight.float())
+        scale = float(expected.abs().max())
+        got = model.compute_logits(hidden)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-2 * scale)
 
 
 def test_kernels_turned_off_leave_the_torch_paths(

@@ -21,6 +21,7 @@ from tests.quantization.blocks import write_tiny_gguf
 from tokenloom.config import ModelConfig
 from tokenloom.model.dtype import resolve_kv_cache_dtype
 from tokenloom.model.kv_cache import allocate_kv_caches
+from tokenloom.model.panel_linear import panel_weight_bytes
 from tokenloom.model.tokenizer import load_tokenizer
 from tokenloom.model_loader.loader import LoadedModel, load_model
 from tokenloom.ops.cpu_kernels import paged_attention_op
@@ -94,7 +95,9 @@ def assert_matches_dequantized(
 
 
 def float_weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Parameters and float matrices in panels (the native kernel's layout)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + panel_weight_bytes(model)
 
 
 @pytest.fixture(scope="module")

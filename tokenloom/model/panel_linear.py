@@ -195,6 +195,16 @@ class PanelEmbedding(nn.Module):
         return self.weight_panels.rows(flat).float().view(*ids.shape, -1)
 
 
+def panel_weight_bytes(module: nn.Module) -> int:
+    """Bytes of every float matrix in panels under ``module`` (shared ones once)."""
+    seen = {
+        id(m.weight_panels): m.weight_panels.nbytes
+        for m in module.modules()
+        if isinstance(m, (PanelLinear, PanelEmbedding))
+    }
+    return sum(seen.values())
+
+
 def pack_linears(module: nn.Module) -> int:
     """Replace every ``nn.Linear`` under ``module`` by a ``PanelLinear`` of its
     weight (and bias, as float32), freeing the original; returns how many."""
