@@ -13,13 +13,15 @@ from gguf.constants import GGMLQuantizationType as T
 from tests.model.harness import BlockAllocator, Seq, run_step
 from tests.quantization.blocks import write_tiny_gguf
 from tokenloom.config import ModelConfig
+from tokenloom.model.arch_reader import load_arch_config
 from tokenloom.model.decoder_stack import DecoderStack
 from tokenloom.model.kv_cache import allocate_kv_caches
 from tokenloom.model.layers import GatedMLP, RMSNorm
 from tokenloom.model.packed_linear import PackedLinear
 from tokenloom.model.panel_linear import PanelEmbedding, PanelLinear
-from tokenloom.model_loader.forward_plan import ENV
-from tokenloom.model_loader.loader import LoadedModel, load_model
+from tokenloom.model.registry import model_class
+from tokenloom.model_loader.forward_plan import ENV, decide_plan
+from tokenloom.model_loader.loader import LoadedModel, apply_plan, load_model, plan_inputs
 from tokenloom.quantization.linear import QuantLinear
 
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -127,6 +129,21 @@ def assert_tied_head_is_the_embedding(loaded: LoadedModel) -> None:
         scale = float(expected.abs().max())
         got = model.compute_logits(hidden)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-2 * scale)
+
+
+def test_a_gpu_keeps_float_weights_in_nn_linear(tiny_gguf: Path) -> None:
+    """Panels are the CPU kernels' layout: on another device the plan packs nothing
+    (decided from the model built on the meta device, so no GPU is needed)."""
+    arch = load_arch_config(tiny_gguf)
+    with torch.device("meta"):
+        model = model_class(arch)(arch, torch.bfloat16)
+    inputs = plan_inputs(model, torch.device("cuda"), torch.bfloat16, "bfloat16", False)
+    assert inputs.unavailable["matmul=native"] == "the native kernels run on the CPU"
+    plan = decide_plan(inputs)
+    assert plan.matmul == "torch" and plan.decoder == "modules"
+    apply_plan(model, plan)
+    assert isinstance(model.layers[0].mlp.down_proj, torch.nn.Linear)
+    assert not any(isinstance(m, (PanelLinear, PackedLinear)) for m in model.modules())
 
 
 def test_kernels_turned_off_leave_the_torch_paths(
