@@ -140,7 +140,7 @@ def test_a_gpu_keeps_float_weights_in_nn_linear(tiny_gguf: Path) -> None:
     inputs = plan_inputs(model, torch.device("cuda"), torch.bfloat16, "bfloat16", False)
     assert inputs.unavailable["matmul=native"] == "the native kernels run on the CPU"
     plan = decide_plan(inputs)
-    assert plan.matmul == "torch" and plan.decoder == "modules"
+    assert plan.matmul == "torch" and plan.dtype == torch.bfloat16
     apply_plan(model, plan)
     assert isinstance(model.layers[0].mlp.down_proj, torch.nn.Linear)
     assert not any(isinstance(m, (PanelLinear, PackedLinear)) for m in model.modules())
