@@ -56,6 +56,7 @@ from tokenloom.ops.cpu_variants import host_variant  # noqa: E402
 KERNELS = {
     "attention": ("attention/paged_attention.cpp", "tokenloom_cpu"),
     "quant": ("quantization/quant_linear.cpp", "tokenloom_quant"),
+    "dense": ("dense/dense_linear.cpp", "tokenloom_cpu"),
 }
 # The default model's attention: 9 query heads, 3 KV heads of 64, blocks of 16.
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -252,9 +253,55 @@ def quant_cases() -> dict[str, Case]:
     return cases
 
 
+# (out_features, in_features) of the four projections and the LM head: the
+# default model's (SmolLM2-135M) and Llama-3.2-1B's.
+DENSE_SHAPES = {
+    "135M": {
+        "qkv": (960, 576),
+        "o": (576, 576),
+        "gate_up": (3072, 576),
+        "down": (576, 1536),
+        "head": (49152, 576),
+    },
+    "1B": {
+        "qkv": (3072, 2048),
+        "o": (2048, 2048),
+        "gate_up": (16384, 2048),
+        "down": (2048, 8192),
+        "head": (128256, 2048),
+    },
+}
+
+
+def dense_cases(dtypes: list[str]) -> dict[str, Case]:
+    """Both models' matrices at 1 to 2,048 rows (the 1B's to 512, the heads to
+    128: a step computes logits for its sampled rows only), random weights in
+    panels (``model.panel_linear``), and the MLP's activation from gate_up."""
+    from tokenloom.model.panel_linear import pack_panels
+
+    generator = torch.Generator().manual_seed(0)
+    cases: dict[str, Case] = {}
+    for dtype in dtypes:
+        for model, shapes in DENSE_SHAPES.items():
+            for name, (n, k) in shapes.items():
+                weight = (
+                    torch.randn(n, k, generator=generator).div_(k**0.5).to(getattr(torch, dtype))
+                )
+                args = (pack_panels(weight), k, n)
+                for rows in (2048, 512, 128, 16, 1):
+                    if rows > (128 if name == "head" else 512 if model == "1B" else 2048):
+                        continue
+                    x = torch.randn(rows, k, generator=generator)
+                    label = f"{dtype} {model} {name}, {rows} rows"
+                    cases[label] = matmul_case(x, args, "dense_linear")
+                    if name == "gate_up" and rows in (128, 1):
+                        cases[f"{label}, SiLU"] = matmul_case(x, args, "dense_linear_silu")
+    return cases
+
+
 def matmul_case(x: torch.Tensor, args: tuple[object, ...], op: str = "quant_linear") -> Case:
     """``op`` on ``x``: ``quant_linear``, or ``quant_linear_silu`` (the MLP's
-    activation straight from its gate_up projection)."""
+    activation straight from its gate_up projection), or the dense ones."""
 
     def run(ops: Any) -> tuple[torch.Tensor, float]:
         start = time.perf_counter()
@@ -279,12 +326,24 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=["bfloat16", "float32"],
+        default=["bfloat16", "float32"],
+        help="the dense kernel's weight dtypes",
+    )
     args = parser.parse_args()
     print(f"threads {torch.get_num_threads()}; base {args.base} against the working tree")
     print("| case | base ms | work ms | base / work | same outputs |\n|---|---:|---:|---:|---|")
     for kernel in args.kernels:
         builds = [build(kernel, args.base, "base"), build(kernel, None, "work")]
-        cases = attention_cases(args.layers) if kernel == "attention" else quant_cases()
+        if kernel == "attention":
+            cases = attention_cases(args.layers)
+        elif kernel == "dense":
+            cases = dense_cases(args.dtypes)
+        else:
+            cases = quant_cases()
         times: dict[str, list[list[float]]] = {name: [[], []] for name in cases}
         same: dict[str, bool] = {}
         for _ in range(args.rounds):

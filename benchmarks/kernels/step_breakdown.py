@@ -54,6 +54,7 @@ def weight_bytes_per_step(model: Any) -> int:
     LM head (the embedding gathers one row; norms are tiny)."""
     import torch
 
+    from tokenloom.model.panel_linear import PanelLinear
     from tokenloom.quantization.linear import QuantLinear
 
     if any(isinstance(m, QuantLinear) for m in model.modules()):
@@ -62,6 +63,14 @@ def weight_bytes_per_step(model: Any) -> int:
             id(m.qweight): m.qweight.nbytes for m in model.modules() if isinstance(m, QuantLinear)
         }
         return sum(seen.values())
+    if any(isinstance(m, PanelLinear) for m in model.modules()):
+        # Float panels: every PanelLinear (projections and the head, tied or not) once.
+        panels = {
+            id(m.weight_panels): m.weight_panels.nbytes
+            for m in model.modules()
+            if isinstance(m, PanelLinear)
+        }
+        return sum(panels.values())
     total = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)

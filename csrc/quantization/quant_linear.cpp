@@ -53,17 +53,18 @@
 // dequantizes instead.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <memory>
 #include <vector>
 
 #include "common/denormals.h"
+#include "common/panel_schedule.h"
 #include "common/vec.h"
 #include "quantization/quant_matrix.h"
 
@@ -519,14 +520,6 @@ void any_tile(int64_t rows, const QuantWeight& w, const QuantActs& a, int64_t p,
   }
 }
 
-// Bytes of weights, and of quantized activations, a thread works on at once:
-// blocks of both that fit its L2 together, so that with many rows neither is
-// re-read from L3 per panel.
-constexpr int64_t kBlockBytes = 256 << 10;
-// Chunks a thread takes of a matmul, on average, where they are handed out:
-// the last is short, and each is still a run of panels streaming in order.
-constexpr int64_t kChunksPerThread = 8;
-
 // What a matmul writes: its n_out columns, or (kSiluPairs) silu(y[:, :n_out / 2])
 // * y[:, n_out / 2:], the SwiGLU MLP's activation straight from its gate_up
 // projection. Then output panel j is computed with panels j (gate) and j +
@@ -546,60 +539,26 @@ void panel_gemm(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t 
   const int64_t panel_bytes = w.words * kPanel * kWordBytes * (Bits == 6 ? 3 : 2) / 2;
   const int64_t tile_bytes =
       a.act_groups * kTileM * (a.act_words * sizeof(int32_t) + sizeof(float));
-  const int64_t block_units =
-      std::max<int64_t>(1, kBlockBytes / (panel_bytes * (pairs ? 2 : 1)));
-  const int64_t block_rows = kTileM * std::max<int64_t>(1, kBlockBytes / tile_bytes);
-  // Units [begin, end) on rows [row_begin, row_end), in L2-sized blocks.
-  const auto run_units = [&](int64_t begin, int64_t end, int64_t row_begin, int64_t row_end) {
-    const FlushDenormals flush;
-    alignas(64) float gate[kTileM * kPanel], up[kTileM * kPanel];
-    for (int64_t u0 = begin; u0 < end; u0 += block_units) {
-      for (int64_t m0 = row_begin; m0 < row_end; m0 += block_rows) {
-        const int64_t m_end = std::min(row_end, m0 + block_rows);
-        for (int64_t u = u0; u < std::min(end, u0 + block_units); ++u) {
-          for (int64_t m = m0; m < m_end; m += kTileM) {
-            const int64_t tile_rows = std::min(kTileM, m_end - m);
-            if (!pairs) {
-              for (int64_t lane = 0; lane < kPanel; lane += kRowsPerVec) {
-                const int64_t n0 = u * kPanel + lane;
-                const int64_t count = std::min(kRowsPerVec, n_out - n0);
-                if (count <= 0) break;
-                any_tile<Bits, AG>(tile_rows, w, a, u, lane, m, out + m * n_out + n0, n_out,
-                                   count);
-              }
-              continue;
-            }
-            for (int64_t lane = 0; lane < kPanel; lane += kRowsPerVec) {
-              any_tile<Bits, AG>(tile_rows, w, a, u, lane, m, gate + lane, kPanel, kRowsPerVec);
-              any_tile<Bits, AG>(tile_rows, w, a, u + units, lane, m, up + lane, kPanel,
-                                 kRowsPerVec);
-            }
-            for (int64_t r = 0; r < tile_rows; ++r) {
-              store(out + (m + r) * out_cols + u * kPanel,
-                    silu_times(load(gate + r * kPanel), load(up + r * kPanel)));
-            }
-          }
-        }
+  const int64_t unit_bytes = panel_bytes * (pairs ? 2 : 1);
+  run_panel_tiles(units, rows, kTileM, unit_bytes, tile_bytes, [&](int64_t u, int64_t m,
+                                                                   int64_t tile_rows) {
+    if (!pairs) {
+      for (int64_t lane = 0; lane < kPanel; lane += kRowsPerVec) {
+        const int64_t n0 = u * kPanel + lane;
+        const int64_t count = std::min(kRowsPerVec, n_out - n0);
+        if (count <= 0) break;
+        any_tile<Bits, AG>(tile_rows, w, a, u, lane, m, out + m * n_out + n0, n_out, count);
       }
+      return;
     }
-  };
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), units);
-  // One row takes microseconds: too little to hand out in chunks.
-  if (rows == 1 || threads <= 1) {
-    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) { run_units(begin, end, 0, rows); });
-    return;
-  }
-  // Otherwise chunks of a few units by one block of rows, block by block, to
-  // whichever thread is free: with two equal halves, whenever the host slowed
-  // one thread the other would wait at the matmul's end.
-  const int64_t unit_chunk = std::max<int64_t>(1, units / (threads * kChunksPerThread));
-  const int64_t unit_chunks = (units + unit_chunk - 1) / unit_chunk;
-  const int64_t chunks = unit_chunks * ((rows + block_rows - 1) / block_rows);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t c = next++; c < chunks; c = next++) {
-      const int64_t u = c % unit_chunks * unit_chunk, m = c / unit_chunks * block_rows;
-      run_units(u, std::min(units, u + unit_chunk), m, std::min(rows, m + block_rows));
+    alignas(64) float gate[kTileM * kPanel], up[kTileM * kPanel];
+    for (int64_t lane = 0; lane < kPanel; lane += kRowsPerVec) {
+      any_tile<Bits, AG>(tile_rows, w, a, u, lane, m, gate + lane, kPanel, kRowsPerVec);
+      any_tile<Bits, AG>(tile_rows, w, a, u + units, lane, m, up + lane, kPanel, kRowsPerVec);
+    }
+    for (int64_t r = 0; r < tile_rows; ++r) {
+      store(out + (m + r) * out_cols + u * kPanel,
+            silu_times(load(gate + r * kPanel), load(up + r * kPanel)));
     }
   });
 }
@@ -710,6 +669,8 @@ at::Tensor QuantMatrix::silu_product(const at::Tensor& x) const { return apply(x
 
 bool QuantMatrix::has_silu_product() const { return layout_->n_out % (2 * kPanel) == 0; }
 
+int64_t QuantMatrix::out_features() const { return layout_->n_out; }
+
 at::Tensor QuantMatrix::apply(const at::Tensor& x, bool silu_pairs) const {
   const QuantWeight& w = layout_->weight;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
@@ -751,6 +712,21 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight,
   return SiluPairs ? matrix.silu_product(x) : matrix(x);
 }
 
+// The TorchScript class the decoder stack takes (common/projection.h); built
+// from quant_linear's arguments after x.
+struct QuantProjection : ProjectionClass {
+  QuantProjection(const at::Tensor& qweight, const std::optional<at::Tensor>& qhigh,
+                  const at::Tensor& scale_base, const std::optional<at::Tensor>& scale_codes,
+                  const std::optional<at::Tensor>& min_base,
+                  const std::optional<at::Tensor>& min_codes, double min_multiplier,
+                  int64_t bits, int64_t group, int64_t n_out, int64_t act_group)
+      : matrix(std::make_shared<const QuantMatrix>(qweight, qhigh, scale_base, scale_codes,
+                                                   min_base, min_codes, min_multiplier, bits,
+                                                   group, n_out, act_group)) {}
+  std::shared_ptr<const Projection> projection() const override { return matrix; }
+  std::shared_ptr<const QuantMatrix> matrix;
+};
+
 }  // namespace
 
 // Both ops' arguments (a literal: the schema must be one at compile time).
@@ -762,6 +738,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight,
 TORCH_LIBRARY(tokenloom_quant, m) {
   m.def("quant_linear" TL_QUANT_LINEAR_SCHEMA);
   m.def("quant_linear_silu" TL_QUANT_LINEAR_SCHEMA);
+  m.class_<QuantProjection>("QuantProjection")
+      .def(torch::init<at::Tensor, std::optional<at::Tensor>, at::Tensor,
+                       std::optional<at::Tensor>, std::optional<at::Tensor>,
+                       std::optional<at::Tensor>, double, int64_t, int64_t, int64_t, int64_t>());
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_quant, CPU, m) {

@@ -1,6 +1,7 @@
 // A quantized weight in panels.py's layout, checked once and applied many
 // times: the `quant_linear` op builds one per call, the decoder stack
-// (decoder_stack.cpp) one per projection at load.
+// (decoder/decoder_stack.cpp) one per projection at load (through
+// QuantProjection).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -9,9 +10,11 @@
 #include <memory>
 #include <optional>
 
+#include "common/projection.h"
+
 namespace tokenloom {
 
-class QuantMatrix {
+class QuantMatrix : public Projection {
  public:
   // The arguments of `quant_linear` after x (see quant_linear.cpp).
   QuantMatrix(const at::Tensor& qweight, const std::optional<at::Tensor>& qhigh,
@@ -22,16 +25,12 @@ class QuantMatrix {
               int64_t group, int64_t n_out, int64_t act_group);
 
   // x float32 [M, <= K] (rows may be strided) -> a new [M, n_out].
-  at::Tensor operator()(const at::Tensor& x) const;
-
-  // silu(y[:, :n_out / 2]) * y[:, n_out / 2:] of y = (*this)(x), a new
-  // [M, n_out / 2], equal bit for bit to layer_ops' silu_and_mul of y; only
-  // where has_silu_product().
-  at::Tensor silu_product(const at::Tensor& x) const;
-
+  at::Tensor operator()(const at::Tensor& x) const override;
+  at::Tensor silu_product(const at::Tensor& x) const override;
   // Whether each half of the output is whole panels (n_out a multiple of 32),
   // as silu_product needs.
-  bool has_silu_product() const;
+  bool has_silu_product() const override;
+  int64_t out_features() const override;
 
  private:
   at::Tensor apply(const at::Tensor& x, bool silu_pairs) const;

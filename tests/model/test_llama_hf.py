@@ -17,6 +17,7 @@ from transformers import (
 
 from tests.model.scenario import BLOCK_SIZE, make_sequences, max_abs_diff, run_scenario
 from tokenloom.config import ModelConfig
+from tokenloom.model.dtype import resolve_dtype, resolve_kv_cache_dtype
 from tokenloom.model.kv_cache import allocate_kv_caches
 from tokenloom.model_loader.loader import load_model
 
@@ -118,13 +119,19 @@ def test_wrong_logits_are_detected(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_stays_close(dtype: str, tmp_path: Path) -> None:
-    """Reduced-precision compute runs the same paths and lands near fp32."""
+    """16-bit weights stay 16-bit (float16 becomes bfloat16 on a CPU without float16
+    arithmetic), K/V in their dtype as serving allocates them, and the logits land
+    near fp32."""
     hf_model = _random_hf_model(_cases()["qwen2_bias_untied"], seed=5)
     hf_model.save_pretrained(tmp_path)
     loaded = load_model(ModelConfig(model=str(tmp_path), dtype=dtype))
-    assert loaded.model.embed_tokens.weight.dtype == getattr(torch, dtype)
-    kv = allocate_kv_caches(loaded.arch, 32, BLOCK_SIZE, loaded.dtype, "cpu")
-    assert kv[0][0].dtype == getattr(torch, dtype)
+    kept = resolve_dtype(dtype, "cpu").dtype
+    assert kept in (torch.bfloat16, torch.float16) and loaded.weights_dtype == kept
+    assert loaded.model.embed_tokens.weight.dtype == kept
+    assert loaded.model.layers[0].mlp.down_proj.weight.dtype == kept
+    kv_dtype = resolve_kv_cache_dtype("auto", loaded.weights_dtype, loaded.quantized)
+    kv = allocate_kv_caches(loaded.arch, 32, BLOCK_SIZE, kv_dtype, "cpu")
+    assert kv[0][0].dtype == kept
     seqs = make_sequences(VOCAB, seed=1)
     ours = run_scenario(loaded.model, kv, seqs)
     assert all(logits.dtype == torch.float32 for chunks in ours.values() for _, logits in chunks)

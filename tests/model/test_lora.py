@@ -89,7 +89,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _ours(root: Path, max_loras: int) -> tuple[CausalLM, LoRAManager]:
-    loaded = load_model(ModelConfig(model=str(root / "base"), dtype="float32"))
+    loaded = load_model(ModelConfig(model=str(root / "base"), dtype="float32"), float_weights=True)
     model = loaded.model
     assert isinstance(model, CausalLM)
     manager = LoRAManager(model, LoRAConfig(max_loras=max_loras, max_lora_rank=8))
@@ -200,3 +200,8 @@ def test_bad_adapters_are_refused(setup, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="another model"):
         validate_adapter(tmp_path / "wide", 16, model.arch)
     assert validate_adapter(root / "c", 16, model.arch).rank == 2
+    # a model loaded for the native kernels, which would multiply past the adapters
+    native = load_model(ModelConfig(model=str(root / "base"), dtype="float32"))
+    assert native.plan.matmul == "native"
+    with pytest.raises(ValueError, match=r"float_weights=True"):
+        LoRAManager(native.model, LoRAConfig(max_loras=1, max_lora_rank=8))

@@ -1,18 +1,14 @@
-"""MKL-prepacked linear layers give F.linear's results, and the loader uses them
-for float32 CPU models."""
+"""MKL-prepacked linear layers give F.linear's results (the loader's use of them,
+the forward plan's matmul=mkl, is tested in tests/model_loader/test_loader.py)."""
 
 from __future__ import annotations
-
-from typing import cast
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenloom.model.llama import CausalLM
 from tokenloom.model.packed_linear import PackedLinear, prepack_linears, prepacking_available
-from tokenloom.model_loader.loader import LoadedModel
 
 CPU = torch.device("cpu")
 
@@ -53,14 +49,3 @@ def test_prepack_linears_replaces_nested_layers_and_keeps_parameters() -> None:
     after = dict(model.named_parameters())
     assert before.keys() == after.keys()
     assert all(before[name] is after[name] for name in before)
-
-
-@pytest.mark.e2e
-def test_loader_prepacks_float32_cpu_models(gguf_model: LoadedModel) -> None:
-    model = cast(CausalLM, gguf_model.model)
-    assert model.logits_head is not None
-    assert isinstance(model.layers[0].self_attn.qkv_proj, PackedLinear)
-    hidden = torch.randn(4, model.arch.hidden_size)
-    with torch.inference_mode():
-        expected = F.linear(hidden, model.embed_tokens.weight)
-        assert torch.allclose(model.compute_logits(hidden), expected, atol=1e-3)

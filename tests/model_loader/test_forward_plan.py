@@ -11,12 +11,19 @@ import torch
 from tokenloom.model_loader.forward_plan import ENV, PlanInputs, decide_plan
 
 QUANTIZED = PlanInputs(
-    device="cpu", dtype=torch.float32, weights="gguf", quantized=True, num_layers=30
+    device="cpu", weights_dtype=torch.float32, weights="gguf", quantized=True, num_layers=30
 )
 FLOAT32 = replace(QUANTIZED, weights="float32", quantized=False)
+BFLOAT16 = replace(
+    FLOAT32,
+    weights_dtype=torch.bfloat16,
+    weights="bfloat16",
+    unavailable={"matmul=mkl": "MKL's packed sgemm serves float32 on a CPU build with MKL"},
+)
 NO_NATIVE = {
-    "layer_ops=native": "the native kernels compute float32 on the CPU",
-    "attention=native": "the native kernels compute float32 on the CPU",
+    "matmul=native": "the native kernels run on the CPU",
+    "layer_ops=native": "the native kernels run on the CPU",
+    "attention=native": "the native kernels run on the CPU",
     "matmul=mkl": "MKL's packed sgemm serves float32 on a CPU build with MKL",
 }
 
@@ -31,39 +38,65 @@ def test_quantized_weights_take_every_native_path() -> None:
     assert parts(QUANTIZED) == ("native", "native", "native", "stack")
     assert plan.fallbacks == () and plan.overridden == ()
     assert plan.describe() == (
-        "cpu float32, weights=gguf, matmul=native, layer_ops=native, "
+        "cpu, weights=gguf, activations=float32, matmul=native, layer_ops=native, "
         "decoder=stack (steps of chunks up to 512 tokens; longer: modules), "
         "attention=native (torch SDPA for chunks over 512 tokens), tensor_parallel=1"
     )
 
 
-def test_float32_weights_run_prepacked_through_the_modules() -> None:
-    plan = decide_plan(FLOAT32)
-    assert parts(FLOAT32) == ("mkl", "native", "native", "modules")
-    assert plan.fallbacks == ("decoder=stack: the decoder stack runs quantized weights only",)
-    assert plan.describe().endswith(
-        "; not decoder=stack: the decoder stack runs quantized weights only"
-    )
+@pytest.mark.parametrize("inputs", [FLOAT32, BFLOAT16])
+def test_float_weights_take_every_native_path_with_float32_activations(
+    inputs: PlanInputs,
+) -> None:
+    plan = decide_plan(inputs)
+    assert parts(inputs) == ("native", "native", "native", "stack")
+    assert plan.dtype == torch.float32 and plan.fallbacks == ()
+    assert plan.describe().startswith(f"cpu, weights={inputs.weights}, activations=float32, ")
 
 
 @pytest.mark.parametrize(
-    ("inputs", "expected"),
+    ("inputs", "expected", "activations"),
     [
+        (replace(BFLOAT16, unavailable=NO_NATIVE), ("torch",) * 3 + ("modules",), torch.bfloat16),
         (
-            replace(FLOAT32, dtype=torch.bfloat16, weights="bfloat16", unavailable=NO_NATIVE),
-            ("torch", "torch", "torch", "modules"),
+            replace(FLOAT32, unavailable={"matmul=native": "the native kernels failed to load"}),
+            ("mkl", "native", "native", "modules"),
+            torch.float32,
         ),
-        (replace(FLOAT32, tensor_parallel=2), ("mkl", "native", "native", "modules")),
+        (
+            replace(
+                BFLOAT16,
+                tensor_parallel=2,
+                unavailable={
+                    **BFLOAT16.unavailable,
+                    "matmul=native": "tensor-parallel ranks shard nn.Linear weights",
+                },
+            ),
+            ("torch",) * 3 + ("modules",),
+            torch.bfloat16,
+        ),
     ],
 )
 def test_other_devices_and_dtypes_take_the_torch_paths(
-    inputs: PlanInputs, expected: tuple[str, ...]
+    inputs: PlanInputs, expected: tuple[str, ...], activations: torch.dtype
 ) -> None:
+    plan = decide_plan(inputs)
     assert parts(inputs) == expected
-    assert decide_plan(inputs).tensor_parallel == inputs.tensor_parallel
+    assert plan.dtype == activations
+    assert plan.tensor_parallel == inputs.tensor_parallel
 
 
-CUDA = replace(FLOAT32, device="cuda", dtype=torch.bfloat16, weights="bfloat16")
+def test_torch_matmul_on_16_bit_weights_computes_in_their_dtype() -> None:
+    plan = decide_plan(BFLOAT16, "matmul=torch")
+    assert parts(BFLOAT16, "matmul=torch") == ("torch", "torch", "torch", "modules")
+    assert plan.dtype == torch.bfloat16
+    assert (
+        "layer_ops=native: the native kernels take float32 activations; "
+        "matmul=torch computes in bfloat16"
+    ) in plan.fallbacks
+
+
+CUDA = replace(BFLOAT16, device="cuda", unavailable={})
 
 
 @pytest.mark.parametrize(
@@ -98,13 +131,14 @@ def test_cuda_takes_the_triton_kernel_and_captured_graphs(
     inputs = replace(CUDA, **change)
     plan = decide_plan(inputs)
     assert parts(inputs) == expected
+    assert plan.dtype == torch.bfloat16  # nn.Linear weights, computing in their dtype
     assert fallback is None or fallback in plan.fallbacks, plan.fallbacks
 
 
 def test_triton_on_the_cpu_only_when_asked_under_the_interpreter(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    bf16 = replace(FLOAT32, dtype=torch.bfloat16, weights="bfloat16", unavailable=NO_NATIVE)
+    bf16 = replace(BFLOAT16, unavailable=NO_NATIVE)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert parts(bf16)[2] == "torch"  # never chosen unasked
     assert parts(bf16, "attention=triton")[2] == "triton"
@@ -175,6 +209,7 @@ def test_the_override_picks_the_paths_it_names() -> None:
     assert parts(QUANTIZED, "layer_ops=torch") == ("native", "torch", "native", "modules")
     assert plan.fallbacks == ("decoder=stack: the decoder stack needs layer_ops=native",)
     assert parts(FLOAT32, "matmul=torch") == ("torch", "native", "native", "modules")
+    assert parts(FLOAT32, "matmul=mkl") == ("mkl", "native", "native", "modules")
     assert parts(QUANTIZED, "") == parts(QUANTIZED)
 
 
@@ -183,8 +218,13 @@ def test_the_override_picks_the_paths_it_names() -> None:
     [
         (
             FLOAT32,
-            "decoder=stack",
-            "decoder=stack cannot run here: the decoder stack runs quantized weights only",
+            "matmul=mkl,decoder=stack",
+            "decoder=stack cannot run here: the decoder stack needs matmul=native",
+        ),
+        (
+            BFLOAT16,
+            "matmul=mkl",
+            "matmul=mkl cannot run here: MKL's packed sgemm serves float32",
         ),
         (
             QUANTIZED,
@@ -194,7 +234,7 @@ def test_the_override_picks_the_paths_it_names() -> None:
         (
             replace(FLOAT32, unavailable=NO_NATIVE),
             "attention=native",
-            "attention=native cannot run here: the native kernels compute float32 on the CPU",
+            "attention=native cannot run here: the native kernels run on the CPU",
         ),
         (
             QUANTIZED,

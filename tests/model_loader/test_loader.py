@@ -13,12 +13,15 @@ from gguf.constants import GGMLQuantizationType as T
 from tests.model.harness import BlockAllocator, Seq, run_step
 from tests.quantization.blocks import write_tiny_gguf
 from tokenloom.config import ModelConfig
+from tokenloom.model.arch_reader import load_arch_config
+from tokenloom.model.decoder_stack import DecoderStack
 from tokenloom.model.kv_cache import allocate_kv_caches
 from tokenloom.model.layers import GatedMLP, RMSNorm
 from tokenloom.model.packed_linear import PackedLinear
-from tokenloom.model_loader.forward_plan import ENV
-from tokenloom.model_loader.loader import LoadedModel, load_model
-from tokenloom.quantization.decoder_stack import DecoderStack
+from tokenloom.model.panel_linear import PanelEmbedding, PanelLinear
+from tokenloom.model.registry import model_class
+from tokenloom.model_loader.forward_plan import ENV, decide_plan
+from tokenloom.model_loader.loader import LoadedModel, apply_plan, load_model, plan_inputs
 from tokenloom.quantization.linear import QuantLinear
 
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -79,13 +82,68 @@ def test_the_override_turns_each_native_path_off(
     torch.testing.assert_close(one_step(loaded), one_step(native), rtol=0.05, atol=0.05)
 
 
-def test_float_weights_are_prepacked_and_run_through_the_modules(tiny_gguf: Path) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_weights_are_packed_in_their_dtype_and_run_as_one_stack(
+    tiny_gguf: Path, dtype: torch.dtype
+) -> None:
+    name = str(dtype).removeprefix("torch.")
+    loaded = load_model(ModelConfig(model=str(tiny_gguf), dtype=name))
+    plan = loaded.plan
+    assert (plan.weights, plan.matmul, plan.decoder) == (name, "native", "stack")
+    assert (loaded.dtype, loaded.weights_dtype) == (torch.float32, dtype)
+    model = loaded.model
+    assert isinstance(model.decoder_stack, DecoderStack)
+    # Tied: the embedding gathers from the panels the head multiplies by, one copy.
+    assert isinstance(model.embed_tokens, PanelEmbedding) and isinstance(
+        model.logits_head, PanelLinear
+    )
+    assert model.embed_tokens.weight_panels is model.logits_head.weight_panels
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, PanelLinear) and qkv.weight_panels.dtype == dtype
+    # Norms compute with the float32 activations.
+    assert {p.dtype for n, p in model.named_parameters() if "norm" in n} == {torch.float32}
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert_tied_head_is_the_embedding(loaded)
+
+
+def test_float32_weights_can_run_prepacked_for_mkl(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV, "matmul=mkl")
     loaded = load_model(ModelConfig(model=str(tiny_gguf), dtype="float32"))
     plan = loaded.plan
     assert (plan.weights, plan.matmul, plan.decoder) == ("float32", "mkl", "modules")
     assert isinstance(loaded.model.logits_head, PackedLinear)
     assert isinstance(loaded.model.layers[0].self_attn.qkv_proj, PackedLinear)
     assert loaded.model.decoder_stack is None
+    assert_tied_head_is_the_embedding(loaded)
+
+
+def assert_tied_head_is_the_embedding(loaded: LoadedModel) -> None:
+    """The logits are the hidden states times the embedding's rows (within the
+    rounding of bfloat16 activations, which the kernel may multiply in)."""
+    model = loaded.model
+    hidden = torch.randn(4, model.arch.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = torch.nn.functional.linear(hidden, model.embed_tokens.weight.float())
+        scale = float(expected.abs().max())
+        got = model.compute_logits(hidden)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-2 * scale)
+
+
+def test_a_gpu_keeps_float_weights_in_nn_linear(tiny_gguf: Path) -> None:
+    """Panels are the CPU kernels' layout: on another device the plan packs nothing
+    (decided from the model built on the meta device, so no GPU is needed)."""
+    arch = load_arch_config(tiny_gguf)
+    with torch.device("meta"):
+        model = model_class(arch)(arch, torch.bfloat16)
+    inputs = plan_inputs(model, torch.device("cuda"), torch.bfloat16, "bfloat16", False)
+    assert inputs.unavailable["matmul=native"] == "the native kernels run on the CPU"
+    plan = decide_plan(inputs)
+    assert plan.matmul == "torch" and plan.dtype == torch.bfloat16
+    apply_plan(model, plan)
+    assert isinstance(model.layers[0].mlp.down_proj, torch.nn.Linear)
+    assert not any(isinstance(m, (PanelLinear, PackedLinear)) for m in model.modules())
 
 
 def test_kernels_turned_off_leave_the_torch_paths(
@@ -102,6 +160,6 @@ def test_kernels_turned_off_leave_the_torch_paths(
 def test_an_override_that_cannot_run_stops_the_load(
     tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(ENV, "decoder=stack")
+    monkeypatch.setenv(ENV, "matmul=torch,decoder=stack")
     with pytest.raises(ValueError, match=f"{ENV}: decoder=stack cannot run here"):
         load_model(ModelConfig(model=str(tiny_gguf), dtype="float32"))

@@ -21,6 +21,7 @@ from tests.quantization.blocks import write_tiny_gguf
 from tokenloom.config import ModelConfig
 from tokenloom.model.dtype import resolve_kv_cache_dtype
 from tokenloom.model.kv_cache import allocate_kv_caches
+from tokenloom.model.panel_linear import panel_weight_bytes
 from tokenloom.model.tokenizer import load_tokenizer
 from tokenloom.model_loader.loader import LoadedModel, load_model
 from tokenloom.ops.cpu_kernels import paged_attention_op
@@ -55,7 +56,7 @@ def teacher_forced(
     """(perplexity of ``ids``, argmax at every position) in CHUNK-token sequences,
     ``step`` tokens per forward pass (the matmuls see that many rows), over the
     KV cache dtype ``kv_cache_dtype="auto"`` gives the model."""
-    kv_dtype = resolve_kv_cache_dtype("auto", loaded.dtype, loaded.quantized)
+    kv_dtype = resolve_kv_cache_dtype("auto", loaded.weights_dtype, loaded.quantized)
     caches = allocate_kv_caches(loaded.arch, CHUNK // BLOCK + 1, BLOCK, kv_dtype, loaded.device)
     # The runner's attention kernel: with it, decode-sized passes of a quantized
     # model run through its native decoder stack, as they do when serving.
@@ -94,7 +95,9 @@ def assert_matches_dequantized(
 
 
 def float_weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Parameters and float matrices in panels (the native kernel's layout)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + panel_weight_bytes(model)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +128,7 @@ def test_default_gguf_numerics_match_dequantized(
 
 def test_explicit_float_dtype_dequantizes() -> None:
     loaded = load_model(ModelConfig(model=None, dtype="bfloat16"))
-    assert loaded.dtype == torch.bfloat16
+    assert loaded.weights_dtype == torch.bfloat16
     assert not any(isinstance(m, QuantLinear) for m in loaded.model.modules())
 
 

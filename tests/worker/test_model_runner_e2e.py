@@ -19,6 +19,8 @@ import torch
 
 from tokenloom.config import CacheConfig, ModelConfig, SchedulerConfig
 from tokenloom.core.sched.scheduler import Scheduler
+from tokenloom.model.decoder_stack import DecoderStack
+from tokenloom.model.panel_linear import PanelLinear
 from tokenloom.request import Request, RequestStatus
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.worker.model_runner import ModelRunner
@@ -232,9 +234,12 @@ def check_against_reference(result: RunResult, references: list[Reference], tag:
 
 
 def test_the_runner_says_which_forward_path_runs(runner: ModelRunner) -> None:
+    """float32 weights run in panels through the native kernel and the decoder stack
+    (the tests below hold that path to transformers' logits)."""
     plan = runner.forward_plan
-    assert (plan.weights, plan.matmul, plan.decoder) == ("float32", "mkl", "modules")
-    assert runner.model.decoder_stack is None
+    assert (plan.weights, plan.matmul, plan.decoder) == ("float32", "native", "stack")
+    assert isinstance(runner.model.decoder_stack, DecoderStack)
+    assert isinstance(runner.model.layers[0].mlp.down_proj, PanelLinear)
     assert (runner.native_attention is not None) == (plan.attention == "native")
 
 

@@ -10,7 +10,7 @@ Entry points used elsewhere:
 - ``paths.resolve_model_path(model, revision)`` (torch-free; Hugging Face ids via ``hub``)
 - ``arch_reader.load_arch_config(path) -> ModelArchConfig`` (cheap: no tensors, no torch;
   family settings in ``arch_families``)
-- ``tokenizer.load_tokenizer(path)`` (torch-free); ``dtype.resolve_dtype(name, device)``
+- ``tokenizer.load_tokenizer(path)`` (torch-free); ``dtype.resolve_dtype(name, device, checkpoint)``
 - ``attention.AttentionMetadata.build(...)``: per-step batch description
 - ``kv_cache.allocate_kv_caches(...)`` / ``kv_cache.kv_cache_bytes_per_block(...)``
 - the model: ``model(input_ids, positions, kv_caches, attn_metadata, keep_rows=None)

@@ -61,6 +61,9 @@ class ModelArchConfig:
     # positions (Qwen2.5-VL; None: one position per token).
     vision: VisionArch | None = None
     mrope_section: tuple[int, ...] | None = None
+    # The dtype config.json says the weights are stored in ("bfloat16", ...; its
+    # "dtype" or older "torch_dtype"); None where it does not say, and for GGUF.
+    checkpoint_dtype: str | None = None
 
     def layer_window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None

@@ -108,6 +108,7 @@ def _from_hf_dir(path: Path) -> ModelArchConfig:
         bos_token_id=next(iter(_id_list(cfg.get("bos_token_id"))), None),
         eos_token_ids=eos,
         hidden_act=act,
+        checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
     )
     text_arch = family_settings(base, cfg, str(config_file))
     if vision_arch != arch:

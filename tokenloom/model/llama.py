@@ -31,6 +31,7 @@ from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.attention import AttentionMetadata, paged_attention
 from tokenloom.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 from tokenloom.model.packed_linear import PackedLinear, prepack_linears
+from tokenloom.model.panel_linear import DensePanels, PanelEmbedding, PanelLinear, pack_linears
 from tokenloom.model.recipe import Op, Recipe, Step, attention_steps
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -174,7 +175,7 @@ class DecoderLayer(nn.Module):
         stream; None at the first layer, where h is the embedding). Returns this
         layer's (output, residual stream), so each residual add is fused with the
         norm that follows it. The registers are ``recipe``'s; ``DecoderStack::forward``
-        (csrc/quantization/decoder_stack.cpp) is the same switch in C++."""
+        (csrc/decoder/decoder_stack.cpp) is the same switch in C++."""
         attn, mlp = self.self_attn, self.mlp
         x = h
         q = k = v = x  # until ROPE sets them
@@ -266,6 +267,28 @@ class CausalLM(nn.Module):
         self.rotary.build_cache(device, dtype, max_positions)
         if self.local_rotary is not None:
             self.local_rotary.build_cache(device, dtype, max_positions)
+
+    def cast_outside_matrices(self, dtype: torch.dtype) -> None:
+        """Every parameter but the projections', the embedding's and the LM head's
+        matrices in ``dtype`` (norms and biases, in the activations' dtype); on the
+        meta device, before the weights load."""
+        for module in self.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if name == "weight" and isinstance(module, (nn.Linear, nn.Embedding)):
+                    continue
+                setattr(module, name, nn.Parameter(param.to(dtype), requires_grad=False))
+
+    def pack_weights(self) -> None:
+        """Every matrix in panels for the native dense kernel (the forward plan's
+        matmul=native on float weights, see ``panel_linear``), in its own dtype; the
+        embedding gathers from the panels the LM head multiplies by when tied."""
+        pack_linears(self.layers)
+        embed = DensePanels.from_weight(self.embed_tokens.weight)
+        self.embed_tokens = PanelEmbedding(embed)  # type: ignore[assignment]
+        head = embed if self.lm_head is None else DensePanels.from_weight(self.lm_head.weight)
+        self.logits_head = PanelLinear(head)
+        if self.lm_head is not None:
+            self.lm_head = self.logits_head  # type: ignore[assignment]
 
     def prepack_weights(self) -> None:
         """Run every matmul, the LM head included, on MKL-packed weights (the forward

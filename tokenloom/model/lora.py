@@ -29,6 +29,7 @@ from torch import nn
 from tokenloom.config import LoRAConfig
 from tokenloom.lora_request import LoRARequest
 from tokenloom.model.llama import CausalLM
+from tokenloom.model.panel_linear import PanelProjection
 from tokenloom.model.peft_config import read_peft_config, text_module_path
 
 
@@ -143,6 +144,15 @@ class LoRAManager:
             raise ValueError(
                 "enable_lora needs float base weights, and this model runs quantized: "
                 "load it with dtype='float32' or 'bfloat16' (which dequantizes a GGUF)"
+            )
+        if model.decoder_stack is not None or any(
+            isinstance(m, PanelProjection) for m in model.modules()
+        ):
+            # The native kernels would multiply past the wrapped modules.
+            raise ValueError(
+                "LoRA adds its updates to the projections' nn.Linear weights, and this "
+                "model was loaded for the native kernels: load it with "
+                "load_model(..., float_weights=True), as the engine does under enable_lora"
             )
         self.model = model
         self.max_loras = lora_config.max_loras

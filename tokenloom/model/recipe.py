@@ -2,7 +2,7 @@
 
 Each layer class lists its steps (``DecoderLayer.recipe``, ``GemmaDecoderLayer.recipe``)
 and ``DecoderLayer.forward`` runs them with the layer's modules; the native decoder stack
-(``csrc/quantization/decoder_stack.cpp``) is given the same steps by name and runs
+(``csrc/decoder/decoder_stack.cpp``) is given the same steps by name and runs
 them in C++, refusing a recipe with a step it does not implement. A new step or
 another order is a change to a recipe, and both paths follow it.
 

@@ -1,12 +1,18 @@
 """The forward plan: which implementation runs each part of the forward pass,
 decided once when the model loads, logged, and exposed as ``ModelRunner.forward_plan``.
 
+The weights' format is an input: quantized (``gguf``, ``int8``, ``int4``) or a float
+dtype (``bfloat16``, ``float32``, ``float16``), kept as it is in memory. What the
+activations compute in follows from the matmul: float32 around every native
+kernel and MKL, the weights' own dtype where torch multiplies float weights.
+
 The parts, each with its choices best first (``torch`` and ``modules`` always run):
 
 - ``matmul``, the projections: ``native`` (quantized weights through the int8
-  kernels of ``quantization``), ``mkl`` (float32 weights prepacked for MKL's
-  sgemm, ``model.packed_linear``), ``torch`` (``F.linear``; quantized weights
-  dequantized per call);
+  kernels of ``quantization``; bfloat16 and float32 weights in panels through
+  the dense kernel, ``model.panel_linear``), ``mkl`` (float32 weights
+  prepacked for MKL's sgemm, ``model.packed_linear``), ``torch`` (``F.linear``;
+  quantized weights dequantized per call);
 - ``layer_ops``, RMSNorm with its residual add, SiLU-and-mul, RoPE and the K/V
   write: ``native`` (``ops.cpu_kernels``) or ``torch``;
 - ``attention``: on CUDA ``triton`` (one launch per layer for the whole batch,
@@ -17,10 +23,10 @@ The parts, each with its choices best first (``torch`` and ``modules`` always ru
   blocks), and ``triton`` only when asked for, under ``TRITON_INTERPRET=1`` (the
   CUDA kernels in Triton's interpreter, for tests);
 - ``decoder``: ``stack`` (every layer as one native call, for the steps the
-  native attention takes whole, ``quantization.decoder_stack``), on CUDA
-  ``graphs`` (decode steps replayed from CUDA graphs captured per batch size,
-  ``worker.cuda.graphs``; off with ``--enforce-eager``), or ``modules`` (each
-  layer's recipe run by its modules);
+  native attention takes whole, ``model.decoder_stack``, over any weights the
+  native matmul runs), on CUDA ``graphs`` (decode steps replayed from CUDA
+  graphs captured per batch size, ``worker.cuda.graphs``; off with
+  ``--enforce-eager``), or ``modules`` (each layer's recipe run by its modules);
 - tensor parallelism, which is the model configuration's, not a choice.
 
 ``decide_plan`` is pure: it takes what the model, device, dtype and build allow
@@ -28,9 +34,8 @@ The parts, each with its choices best first (``torch`` and ``modules`` always ru
 ``TOKENLOOM_FORWARD_PLAN`` asks for (for debugging, e.g.
 ``decoder=modules,attention=torch``; it applies to every model the process
 loads, a draft model too), refusing a choice that cannot run here.
-The weights' format is an input, not a separate engine: a new format adds the
-choices that serve it (a native matmul for 16-bit weights, the stack over it);
-a new device adds its own (an attention kernel per backend, a decoder that
+A new weight format adds the choices that serve it (its native matmul, which
+the stack then runs too); a new device adds its own (an attention kernel per backend, a decoder that
 replays captured graphs for the steps it serves, as the stack serves its own).
 """
 
@@ -51,10 +56,11 @@ PARTS = ("matmul", "layer_ops", "attention", "decoder")
 
 @dataclass(frozen=True)
 class PlanInputs:
-    """What the loaded model, its device and dtype and this build allow."""
+    """What the model (built, not yet loaded), its device and weights and this build
+    allow."""
 
     device: str  # the torch device type
-    dtype: torch.dtype  # what the activations compute in
+    weights_dtype: torch.dtype  # the weights' float dtype (float32 for quantized ones)
     weights: str  # the quantization method ("gguf", "int8", "int4") or the float dtype
     quantized: bool
     num_layers: int
@@ -71,7 +77,7 @@ class PlanInputs:
 @dataclass(frozen=True)
 class ForwardPlan:
     device: str
-    dtype: torch.dtype
+    dtype: torch.dtype  # what the activations compute in
     weights: str
     quantized: bool
     matmul: str
@@ -101,7 +107,7 @@ class ForwardPlan:
             decoder += f" (steps of chunks up to {NATIVE_MAX_QUERY} tokens; longer: modules)"
         dtype = str(self.dtype).removeprefix("torch.")
         text = (
-            f"{self.device} {dtype}, weights={self.weights}, matmul={self.matmul}, "
+            f"{self.device}, weights={self.weights}, activations={dtype}, matmul={self.matmul}, "
             f"layer_ops={self.layer_ops}, decoder={decoder}, attention={attention}, "
             f"tensor_parallel={self.tensor_parallel}"
         )
@@ -136,13 +142,21 @@ def choices(part: str, inputs: PlanInputs) -> tuple[str, ...]:
             part, ("torch",)
         )
     if part == "matmul":
-        return ("native", "torch") if inputs.quantized else ("mkl", "torch")
+        return ("native", "torch") if inputs.quantized else ("native", "mkl", "torch")
     if part == "decoder":
         return ("stack", "modules")
     if part == "attention" and not inputs.quantized:
         # Asked for only: the CUDA kernels on the CPU, in Triton's interpreter, for tests.
         return ("native", "torch", "triton")
     return ("native", "torch")
+
+
+def activations_dtype(inputs: PlanInputs, matmul: str) -> torch.dtype:
+    """What the activations compute in with this matmul: float32 around the native
+    kernels and MKL, else the weights' dtype (torch multiplying float weights)."""
+    if inputs.quantized or matmul in ("native", "mkl"):
+        return torch.float32
+    return inputs.weights_dtype
 
 
 def decide_plan(inputs: PlanInputs, override: str | None = None) -> ForwardPlan:
@@ -171,7 +185,7 @@ def decide_plan(inputs: PlanInputs, override: str | None = None) -> ForwardPlan:
             chosen[part] = want
     return ForwardPlan(
         device=inputs.device,
-        dtype=inputs.dtype,
+        dtype=activations_dtype(inputs, chosen["matmul"]),
         weights=inputs.weights,
         quantized=inputs.quantized,
         matmul=chosen["matmul"],
@@ -189,9 +203,12 @@ def decide_plan(inputs: PlanInputs, override: str | None = None) -> ForwardPlan:
 def _why_not(part: str, choice: str, inputs: PlanInputs, chosen: Mapping[str, str]) -> str | None:
     """Why ``part=choice`` cannot run given the inputs and the parts chosen before it
     (None: it can)."""
+    if part in ("layer_ops", "attention") and choice == "native":
+        dtype = activations_dtype(inputs, chosen["matmul"])
+        if dtype != torch.float32:
+            name = str(dtype).removeprefix("torch.")
+            return f"the native kernels take float32 activations; matmul={chosen['matmul']} computes in {name}"
     if part == "decoder" and choice == "stack":
-        if not inputs.quantized:
-            return "the decoder stack runs quantized weights only"
         for needed in ("matmul", "layer_ops", "attention"):
             if chosen[needed] != "native":
                 return f"the decoder stack needs {needed}=native"

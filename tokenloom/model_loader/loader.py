@@ -1,14 +1,18 @@
 """Loading model weights, and deciding how the forward pass runs over them.
 
-- ``load_model(model_config) -> LoadedModel``: builds the model on
-  ``model_config.device`` in the dtype from ``resolve_dtype``, fills every
-  parameter (raising if the checkpoint leaves one empty), then decides the
-  forward plan (``forward_plan``), logs it, and sets the model up for it.
-  Quantized models (``quantization.loading.resolve_quantization``) keep their
-  matrices quantized and compute in float32.
+- ``load_model(model_config) -> LoadedModel``: builds the model on the meta
+  device with its weights in the dtype from ``resolve_dtype`` (or quantized:
+  ``quantization.loading.resolve_quantization``), decides the forward plan
+  (``forward_plan``) from what the model and this process allow and logs it,
+  fills every parameter on ``model_config.device`` (raising if the checkpoint
+  leaves one empty), and sets the model up for the plan: matrices in panels
+  for the native matmul, MKL-prepacked, or as they are.
 
-The model is built on the meta device first so that no time goes into random
-initialisation of weights that are overwritten anyway. Finding the files
+The plan comes before the weights because it says what the activations
+compute in: float32 around the native kernels (the model's norms and biases
+are then float32, its matrices in their own dtype), else the weights' dtype.
+Building on the meta device first also spares the random initialisation of
+weights that are overwritten anyway. Finding the files
 (``paths.resolve_model_path``) is torch-free and lives apart, for the front end.
 """
 
@@ -27,10 +31,12 @@ import torch
 from tokenloom.config import ModelConfig
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.arch_reader import load_arch_config
+from tokenloom.model.decoder_stack import DecoderStack
 from tokenloom.model.dtype import resolve_dtype
 from tokenloom.model.gguf_loader import iter_gguf_weights
 from tokenloom.model.llama import CausalLM, DecoderLayer
 from tokenloom.model.packed_linear import prepacking_available
+from tokenloom.model.panel_linear import PANEL_DTYPES, use_native_matmul
 from tokenloom.model.paths import resolve_model_path
 from tokenloom.model.registry import model_class
 from tokenloom.model.safetensors_loader import iter_safetensors
@@ -41,9 +47,6 @@ from tokenloom.ops.cpu_kernels import (
     layer_ops_available,
     paged_attention_op,
 )
-from tokenloom.quantization.decoder_stack import DecoderStack
-from tokenloom.quantization.kernels import native_available
-from tokenloom.quantization.linear import use_native_matmul
 from tokenloom.quantization.loading import load_quantized, resolve_quantization
 
 if TYPE_CHECKING:
@@ -62,7 +65,10 @@ class LoadedModel:
     plan: ForwardPlan
     # The native attention kernel where the plan chose it, for ``AttentionMetadata.build``.
     attention_op: Callable[..., None] | None = None
-    quantized: bool = False  # matrices kept quantized (dtype is then what they compute in)
+    quantized: bool = False  # matrices kept quantized
+    # The weights' float dtype (float32 for quantized ones); ``dtype`` is what the
+    # activations compute in.
+    weights_dtype: torch.dtype = torch.float32
 
 
 def load_model(
@@ -88,26 +94,45 @@ def load_model(
             f"{arch.architecture} (a vision-language model) runs unquantized on one device: "
             "tensor_parallel_size must be 1 and quantization unset"
         )
-    dtype = (
-        torch.float32 if quantization else resolve_dtype(model_config.dtype, model_config.device)
-    )
+    if quantization:
+        weights_dtype, why = torch.float32, f"quantized ({quantization})"
+    else:
+        weights_dtype, why = resolve_dtype(
+            model_config.dtype, model_config.device, arch.checkpoint_dtype
+        )
 
     local_arch = arch if shard is None else shard.local_arch(arch)
     with torch.device("meta"):
-        model = model_class(arch)(local_arch, dtype)
+        model = model_class(arch)(local_arch, weights_dtype)
+    inputs = plan_inputs(
+        model,
+        device,
+        weights_dtype,
+        weights=quantization or str(weights_dtype).removeprefix("torch."),
+        quantized=bool(quantization),
+        tensor_parallel=1 if shard is None else shard.world_size,
+        lora=float_weights,
+        enforce_eager=model_config.enforce_eager,
+    )
+    plan = decide_plan(inputs, os.environ.get(ENV))
+    dtype = plan.dtype
+    logger.info("dtype %s: weights in %s (%s)", model_config.dtype, inputs.weights, why)
+    logger.info("forward plan for %s: %s", path.name, plan.describe())
     if quantization:
         filled = load_quantized(model, path, arch, quantization, device)
-    elif model_config.load_format == "dummy":
-        model.to_empty(device=device)
-        filled = fill_random(model, model_config.seed)
     else:
+        if dtype != weights_dtype:  # norms and biases in the activations' dtype
+            model.cast_outside_matrices(dtype)
         model.to_empty(device=device)
-        weights = (
-            iter_gguf_weights(path, arch) if path.suffix == ".gguf" else iter_safetensors(path)
-        )
-        if shard is not None:
-            weights = shard.slice_weights(weights, arch)
-        filled = model.load_weights(weights)
+        if model_config.load_format == "dummy":
+            filled = fill_random(model, model_config.seed)
+        else:
+            weights = (
+                iter_gguf_weights(path, arch) if path.suffix == ".gguf" else iter_safetensors(path)
+            )
+            if shard is not None:
+                weights = shard.slice_weights(weights, arch)
+            filled = model.load_weights(weights)
     missing = sorted(set(dict(model.named_parameters())) - filled)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -115,19 +140,6 @@ def load_model(
     model.init_buffers(device, dtype, model_config.max_model_len)
     model.eval()
     model.requires_grad_(False)
-
-    inputs = plan_inputs(
-        model,
-        device,
-        dtype,
-        weights=quantization or str(dtype).removeprefix("torch."),
-        quantized=bool(quantization),
-        tensor_parallel=1 if shard is None else shard.world_size,
-        lora=float_weights,
-        enforce_eager=model_config.enforce_eager,
-    )
-    plan = decide_plan(inputs, os.environ.get(ENV))
-    logger.info("forward plan for %s: %s", path.name, plan.describe())
     apply_plan(model, plan)
     if shard is not None:
         from tokenloom.distributed.parallel_layers import parallelize
@@ -145,6 +157,7 @@ def load_model(
         plan=plan,
         attention_op=attention_op,
         quantized=bool(quantization),
+        weights_dtype=weights_dtype,
     )
 
 
@@ -166,27 +179,36 @@ def fill_random(model: CausalLM, seed: int) -> set[str]:
 def plan_inputs(
     model: CausalLM,
     device: torch.device,
-    dtype: torch.dtype,
+    weights_dtype: torch.dtype,
     weights: str,
     quantized: bool,
     tensor_parallel: int = 1,
     lora: bool = False,
     enforce_eager: bool = False,
 ) -> PlanInputs:
-    """What ``model`` on ``device`` in ``dtype`` and this process's kernels allow."""
+    """What ``model`` (built, on any device: only its structure is read) on ``device``
+    with these weights and this process's kernels allow."""
     unavailable: dict[str, str] = {}
-    native = _native_refusal(device, dtype)
-    if quantized:
-        if not native_available():
-            unavailable["matmul=native"] = native or "the native quantized kernels failed to build"
-        else:
-            refusal = DecoderStack.refusal(model)
-            if refusal is not None:
-                unavailable["decoder=stack"] = refusal
-    elif not prepacking_available(device, dtype):
+    native = _native_refusal(device)
+    if native is not None:
+        unavailable["matmul=native"] = native
+    elif not quantized and weights_dtype not in PANEL_DTYPES:
+        unavailable["matmul=native"] = "the native matmul keeps bfloat16 or float32 weights"
+    elif not quantized and tensor_parallel > 1:
+        unavailable["matmul=native"] = "tensor-parallel ranks shard nn.Linear weights"
+    elif not quantized and lora:
+        unavailable["matmul=native"] = "LoRA adds its updates to nn.Linear weights"
+    elif not quantized and model.arch.vision is not None:
+        unavailable["matmul=native"] = (
+            "a vision-language model's vision tower computes in the weights' dtype"
+        )
+    if not quantized and not prepacking_available(device, weights_dtype):
         unavailable["matmul=mkl"] = "MKL's packed sgemm serves float32 on a CPU build with MKL"
     if device.type == "cuda" and importlib.util.find_spec("triton") is None:
         unavailable["attention=triton"] = "Triton is not installed"
+    refusal = DecoderStack.refusal(model)
+    if refusal is not None:
+        unavailable["decoder=stack"] = refusal
     if native is not None:
         unavailable["layer_ops=native"] = unavailable["attention=native"] = native
     elif model.arch.head_dim not in NATIVE_HEAD_DIMS:
@@ -197,7 +219,7 @@ def plan_inputs(
     layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
     return PlanInputs(
         device=device.type,
-        dtype=dtype,
+        weights_dtype=weights_dtype,
         weights=weights,
         quantized=quantized,
         num_layers=len(layers),
@@ -211,13 +233,13 @@ def plan_inputs(
     )
 
 
-def _native_refusal(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the native CPU kernels cannot serve ``device`` and ``dtype`` (None: they can)."""
-    if device.type != "cpu" or dtype != torch.float32:
-        return "the native kernels compute float32 on the CPU"
+def _native_refusal(device: torch.device) -> str | None:
+    """Why the native CPU kernels cannot serve ``device`` (None: they can)."""
+    if device.type != "cpu":
+        return "the native kernels run on the CPU"
     if not kernels_enabled():
         return "TOKENLOOM_CPU_KERNELS=0 turns the native kernels off"
-    if not layer_ops_available(device, dtype):
+    if not layer_ops_available(device, torch.float32):
         return "the native kernels failed to build or load"
     return None
 
@@ -227,8 +249,9 @@ def apply_plan(model: CausalLM, plan: ForwardPlan) -> None:
     the result: ``distributed.parallel_layers.parallelize``)."""
     if plan.matmul == "mkl":
         model.prepack_weights()
-    if plan.quantized:
-        use_native_matmul(model, plan.matmul == "native")
+    elif plan.matmul == "native" and not plan.quantized:
+        model.pack_weights()
+    use_native_matmul(model, plan.matmul == "native")
     if plan.layer_ops == "native":
         model.use_fused_layer_ops()
     if plan.decoder == "stack":

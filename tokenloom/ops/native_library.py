@@ -55,10 +55,17 @@ OPS = {
         "add_rms_norm",
         "silu_and_mul",
         "rotary_qk",
+        "dense_linear",
+        "dense_linear_silu",
+        "dense_bf16_dot_products",
+        "decoder_stack_steps",
     ),
     "tokenloom_quant": ("quant_linear", "quant_linear_silu"),
 }
-CLASSES = {"tokenloom_quant": ("DecoderStack",)}
+CLASSES = {
+    "tokenloom_cpu": ("DecoderStack", "DenseProjection"),
+    "tokenloom_quant": ("QuantProjection",),
+}
 
 
 def kernels_enabled() -> bool:

@@ -1,5 +1,5 @@
 """The native quantized matmul (``csrc/quantization/quant_linear.cpp``;
-``csrc/quantization/decoder_stack.cpp`` runs it for whole decoders), the
+``csrc/decoder/decoder_stack.cpp`` runs it for whole decoders), the
 ``tokenloom_quant`` ops of the native CPU library (``ops.native_library``). It
 reads ``panels.py``'s layout, rounds the activations to int8 (a scale per 8 or
 16 columns, as the matrix says) and uses integer dot products (AVX-512 VNNI,

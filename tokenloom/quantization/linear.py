@@ -7,54 +7,38 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenloom.model.panel_linear import PanelProjection
 from tokenloom.quantization.kernels import native_available, quant_matmul
-from tokenloom.quantization.panels import PANEL, PanelWeight
+from tokenloom.quantization.panels import PanelWeight
 
 
-class QuantLinear(nn.Module):
-    """``y = x @ dequant(weight).T + bias``; activations in float32."""
+class QuantLinear(PanelProjection):
+    """``y = x @ dequant(weight).T + bias``; activations in float32. Without the
+    native kernel (or where the forward plan says matmul=torch) it dequantizes
+    per call."""
 
     # Read by the model's modules, which know no quantized layer by name (LoRA
     # refuses quantized base weights).
     quantized = True
 
     def __init__(self, weight: PanelWeight, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
+        super().__init__(weight.in_features, weight.out_features, bias)
         self.qweight = weight
-        self.bias = bias
-        self.in_features = weight.in_features
-        self.out_features = weight.out_features
-        # The native kernel, where this process has it; else (or where the forward
-        # plan says matmul=torch: ``use_native_matmul``) dequantize per call.
-        self.native = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The decoder's 2-D float32 rows go straight to the kernel, with no op
-        # around it: this runs for every projection of every layer each step.
-        if x.dim() != 2:
-            return self(x.reshape(-1, self.in_features)).view(*x.shape[:-1], -1)
-        out = quant_matmul(x if x.dtype == torch.float32 else x.float(), self.qweight, self.native)
-        if self.bias is not None:
-            out += self.bias
-        return out
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_matmul(x if x.dtype == torch.float32 else x.float(), self.qweight, self.native)
 
-    @property
-    def has_silu_product(self) -> bool:
-        """Whether ``silu_product`` runs: the native kernel, no bias, and each half
-        of the output whole panels (as the decoder stack's ``has_silu_product``)."""
-        return (
-            self.native
-            and self.bias is None
-            and self.out_features % (2 * PANEL) == 0
-            and native_available()
-        )
+    def kernel_available(self) -> bool:
+        return native_available()
 
     def silu_product(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(y[:, :N / 2]) * y[:, N / 2:]`` of ``y = self(x)`` (2-D ``x``), a
-        SwiGLU MLP's activation, computed as the native kernel's output: ``y`` is
-        never stored. The same bits as the projection, then layer_ops'
-        ``silu_and_mul``. Only where ``has_silu_product``."""
-        return torch.ops.tokenloom_quant.quant_linear_silu(x, *self.qweight.kernel_args())
+        out: torch.Tensor = torch.ops.tokenloom_quant.quant_linear_silu(
+            x, *self.qweight.kernel_args()
+        )
+        return out
+
+    def native_projection(self) -> object:
+        return torch.classes.tokenloom_quant.QuantProjection(*self.qweight.kernel_args())
 
 
 class QuantEmbedding(nn.Module):
@@ -69,14 +53,6 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         return self.qweight.dequantize(flat).view(*ids.shape, -1)
-
-
-def use_native_matmul(module: nn.Module, native: bool) -> None:
-    """Whether every ``QuantLinear`` under ``module`` computes through the native
-    kernel (where this process has it) or dequantizes per call."""
-    for child in module.modules():
-        if isinstance(child, QuantLinear):
-            child.native = native
 
 
 def quantized_weight_bytes(module: nn.Module) -> int:

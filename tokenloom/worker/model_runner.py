@@ -117,7 +117,7 @@ class ModelRunner:
                 f"block_size must be a power of two >= 16 on CUDA, got {self.block_size}"
             )
         self.kv_cache_dtype = resolve_kv_cache_dtype(
-            cache_config.cache_dtype, self.dtype, loaded.quantized
+            cache_config.cache_dtype, loaded.weights_dtype, loaded.quantized
         )
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)

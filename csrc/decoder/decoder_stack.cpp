@@ -1,4 +1,6 @@
-// A decoder's layers on quantized weights as one native call per step.
+// A decoder's layers as one native call per step, over any weight format
+// whose projections are a Projection (common/projection.h): quantized panels
+// or float (bfloat16, float32) panels.
 //
 // At batch 1 a step makes a few hundred small op calls from Python, each
 // costing microseconds of interpreter and dispatch around a kernel that may
@@ -8,9 +10,9 @@
 // call for each step (llama.py's DecoderLayer.forward with native layer ops),
 // so its output is the modules' output bit for bit. A recipe with a step this
 // file does not implement is refused when the stack is built. The element-wise
-// and attention kernels live in the `tokenloom_cpu` library and are called
-// through the dispatcher, the projections directly. decoder_stack.py decides
-// which models and steps it serves.
+// and attention kernels are called through the dispatcher, the projections
+// directly. tokenloom/model/decoder_stack.py decides which models and steps it
+// serves.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -19,12 +21,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
-#include "quantization/quant_matrix.h"
+#include "common/projection.h"
 
 namespace tokenloom {
 namespace {
@@ -69,11 +72,11 @@ bool takes_matrix(Op op) {
   return op == Op::kQkvProj || op == Op::kOProj || op == Op::kGateUp || op == Op::kDownProj;
 }
 
-// One layer's weights: a norm weight per norm step and a matrix per projection
-// step, in recipe order.
+// One layer's weights: a norm weight per norm step and a projection per
+// projection step, in recipe order.
 struct Layer {
   std::vector<Tensor> norms;
-  std::vector<QuantMatrix> matrices;
+  std::vector<std::shared_ptr<const Projection>> matrices;
 };
 
 class DecoderStack : public torch::CustomClassHolder {
@@ -122,19 +125,19 @@ class DecoderStack : public torch::CustomClassHolder {
     layers_.push_back({std::move(norms), {}});
   }
 
-  // The current layer's next projection step's matrix, as quant_linear's arguments.
-  void add_matrix(Tensor qweight, std::optional<Tensor> qhigh, Tensor scale_base,
-                  std::optional<Tensor> scale_codes, std::optional<Tensor> min_base,
-                  std::optional<Tensor> min_codes, double min_multiplier, int64_t bits,
-                  int64_t group, int64_t n_out, int64_t act_group) {
+  // The current layer's next projection step's weight: a projection object of
+  // any format (common/projection.h).
+  void add_projection(const c10::IValue& projection) {
     TORCH_CHECK(!layers_.empty() && layers_.back().matrices.size() < matrix_steps_.size(),
-                "add_matrix needs a layer with fewer matrices than the recipe's projections");
-    std::vector<QuantMatrix>& matrices = layers_.back().matrices;
+                "add_projection needs a layer with fewer projections than the recipe's");
+    auto& matrices = layers_.back().matrices;
+    std::shared_ptr<const Projection> matrix = projection_of(projection);
     const int64_t qkv_width = (num_heads_ + 2 * num_kv_heads_) * head_dim_;
-    TORCH_CHECK(matrix_steps_[matrices.size()] != Op::kQkvProj || n_out == qkv_width, "layer ",
-                layers_.size() - 1, ": qkv width ", n_out, ", the heads need ", qkv_width);
-    matrices.emplace_back(qweight, qhigh, scale_base, scale_codes, min_base, min_codes,
-                          min_multiplier, bits, group, n_out, act_group);
+    TORCH_CHECK(matrix_steps_[matrices.size()] != Op::kQkvProj ||
+                    matrix->out_features() == qkv_width,
+                "layer ", layers_.size() - 1, ": qkv width ", matrix->out_features(),
+                ", the heads need ", qkv_width);
+    matrices.push_back(std::move(matrix));
   }
 
   // h [T, hidden]: the embedded tokens (overwritten: it becomes the residual
@@ -184,7 +187,7 @@ class DecoderStack : public torch::CustomClassHolder {
           case Op::kQkvProj:
           case Op::kOProj:
           case Op::kDownProj:
-            x = layer.matrices[next_matrix++](x);
+            x = (*layer.matrices[next_matrix++])(x);
             break;
           case Op::kRope: {
             const int64_t rows = x.size(0);
@@ -215,7 +218,7 @@ class DecoderStack : public torch::CustomClassHolder {
           }
           case Op::kGateUp: {
             // As GatedMLP.activation decides: fused where each half is whole panels.
-            const QuantMatrix& gate_up = layer.matrices[next_matrix++];
+            const Projection& gate_up = *layer.matrices[next_matrix++];
             if (gate_up.has_silu_product()) {
               x = gate_up.silu_product(x);
             } else {
@@ -284,12 +287,12 @@ class DecoderStack : public torch::CustomClassHolder {
 }  // namespace
 }  // namespace tokenloom
 
-TORCH_LIBRARY_FRAGMENT(tokenloom_quant, m) {
+TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
   m.def("decoder_stack_steps() -> str[]", &tokenloom::implemented_steps);
   m.class_<tokenloom::DecoderStack>("DecoderStack")
       .def(torch::init<std::vector<std::string>, int64_t, int64_t, int64_t, double, double,
                        at::Tensor>())
       .def("add_layer", &tokenloom::DecoderStack::add_layer)
-      .def("add_matrix", &tokenloom::DecoderStack::add_matrix)
+      .def("add_projection", &tokenloom::DecoderStack::add_projection)
       .def("forward", &tokenloom::DecoderStack::forward);
 }

@@ -1,6 +1,8 @@
 """The native decoder stack against the modules it stands in for: it runs the same
 kernels in the same order, so logits and KV caches must match bit for bit, on
-the real default GGUF and at every batch shape the stack serves."""
+the real default model in each weight format the stack runs (the GGUF's
+quantized panels, and its weights as bfloat16 and float32 panels) and at every
+batch shape the stack serves."""
 
 from __future__ import annotations
 
@@ -16,12 +18,12 @@ from tests.model.harness import BlockAllocator, Seq, run_step
 from tests.quantization.blocks import write_tiny_gguf
 from tokenloom.config import ModelConfig
 from tokenloom.model.attention import NATIVE_MAX_QUERY, AttentionMetadata
+from tokenloom.model.decoder_stack import DecoderStack, implemented_steps
 from tokenloom.model.kv_cache import allocate_kv_caches
 from tokenloom.model.layers import RMSNorm
 from tokenloom.model.recipe import Op, Step, attention_steps
 from tokenloom.model_loader.loader import LoadedModel, load_model
 from tokenloom.ops.cpu_kernels import paged_attention_op
-from tokenloom.quantization.decoder_stack import DecoderStack, implemented_steps
 
 BLOCK = 16
 
@@ -29,6 +31,16 @@ BLOCK = 16
 @pytest.fixture(scope="module")
 def default_quantized() -> LoadedModel:
     return load_model(ModelConfig(model=None))
+
+
+@pytest.fixture(scope="module", params=["gguf", "bfloat16", "float32"])
+def default_any(request: pytest.FixtureRequest, default_quantized: LoadedModel) -> LoadedModel:
+    """The default model in each weight format the stack runs."""
+    if request.param == "gguf":
+        return default_quantized
+    loaded = load_model(ModelConfig(model=None, dtype=request.param))
+    assert loaded.plan.weights == request.param
+    return loaded
 
 
 @pytest.fixture
@@ -101,13 +113,24 @@ def run_schedule(
     return logits, caches, counter.calls
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+# Both cache dtypes on the quantized weights; the float weights with the cache
+# their dtype gets under kv_cache_dtype=auto.
+@pytest.mark.parametrize(
+    ("default_any", "cache_dtype"),
+    [
+        ("gguf", torch.float32),
+        ("gguf", torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+        ("float32", torch.float32),
+    ],
+    indirect=["default_any"],
+)
 def test_stack_equals_the_modules_bit_for_bit(
-    default_quantized: LoadedModel, cache_dtype: torch.dtype
+    default_any: LoadedModel, cache_dtype: torch.dtype
 ) -> None:
-    assert isinstance(default_quantized.model.decoder_stack, DecoderStack)
-    stacked, stacked_caches, calls = run_schedule(default_quantized, cache_dtype, True)
-    modules, module_caches, unused = run_schedule(default_quantized, cache_dtype, False)
+    assert isinstance(default_any.model.decoder_stack, DecoderStack)
+    stacked, stacked_caches, calls = run_schedule(default_any, cache_dtype, True)
+    modules, module_caches, unused = run_schedule(default_any, cache_dtype, False)
     assert (calls, unused) == (4, 0)  # every step but the first went through the stack
     for a, b in zip(stacked, modules, strict=True):
         assert torch.equal(a, b)
@@ -116,15 +139,13 @@ def test_stack_equals_the_modules_bit_for_bit(
 
 
 @pytest.mark.parametrize("use_stack", [True, False])
-def test_kept_rows_are_those_of_the_whole_batch(
-    default_quantized: LoadedModel, use_stack: bool
-) -> None:
+def test_kept_rows_are_those_of_the_whole_batch(default_any: LoadedModel, use_stack: bool) -> None:
     # The stack computes its last layer for the kept rows alone; the modules select
     # them at the end. Either way: those rows' logits, and every row's K/V.
-    model: Any = default_quantized.model
+    model: Any = default_any.model
     stack = model.decoder_stack
     model.decoder_stack = stack if use_stack else None
-    native_op = paged_attention_op(default_quantized.device, torch.float32, 64)
+    native_op = paged_attention_op(default_any.device, torch.float32, 64)
     gen = torch.Generator().manual_seed(1)
     tokens = [torch.randint(100, 40000, (90,), generator=gen).tolist() for _ in range(3)]
     # A chunk's last row, rows inside chunks (as prompt logprobs or drafts keep
@@ -134,7 +155,7 @@ def test_kept_rows_are_those_of_the_whole_batch(
     try:
         for keep_rows in (None, keep):
             seqs = [Seq(list(t)) for t in tokens]
-            caches = allocate_kv_caches(default_quantized.arch, 20, BLOCK, torch.bfloat16, "cpu")
+            caches = allocate_kv_caches(default_any.arch, 20, BLOCK, torch.bfloat16, "cpu")
             allocator = BlockAllocator(BLOCK)
             run_step(model, caches, allocator, [(seqs[0], 30), (seqs[2], 60)], native_op)
             schedule = [(seqs[0], 50), (seqs[1], 30), (seqs[2], 1)]  # rows 0-49, 50-79, 80
@@ -211,7 +232,7 @@ def test_the_stack_refuses_recipes_with_steps_it_lacks(tiny_quantized: LoadedMod
     llama = [step.op.value for step in model.layers[0].recipe]
 
     def build(recipe: list[str]) -> Any:
-        return torch.classes.tokenloom_quant.DecoderStack(
+        return torch.classes.tokenloom_cpu.DecoderStack(
             recipe, attn.num_heads, attn.num_kv_heads, attn.head_dim, 1e-5, 0.125, model.norm.weight
         )
 
@@ -258,12 +279,15 @@ def test_a_new_recipe_runs_alike_in_the_modules_and_the_stack(
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-def test_float_weights_and_disabled_kernels_get_no_stack(
+def test_torch_matmuls_and_disabled_kernels_get_no_stack(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv("TOKENLOOM_FORWARD_PLAN", "matmul=mkl")
     assert load_model(ModelConfig(model=None, dtype="float32")).model.decoder_stack is None
+    monkeypatch.delenv("TOKENLOOM_FORWARD_PLAN")
     monkeypatch.setenv("TOKENLOOM_CPU_KERNELS", "0")
     assert load_model(ModelConfig(model=None)).model.decoder_stack is None
+    assert load_model(ModelConfig(model=None, dtype="bfloat16")).model.decoder_stack is None
 
 
 def test_mismatched_caches_are_refused(default_quantized: LoadedModel) -> None:
@@ -282,7 +306,7 @@ def test_a_qkv_projection_that_does_not_fit_the_heads_is_refused_at_load(
 ) -> None:
     model: Any = default_quantized.model
     attn = model.layers[0].self_attn
-    stack = torch.classes.tokenloom_quant.DecoderStack(
+    stack = torch.classes.tokenloom_cpu.DecoderStack(
         [step.op.value for step in model.layers[0].recipe],
         attn.num_heads + attn.num_kv_heads,
         attn.num_kv_heads,
@@ -293,4 +317,6 @@ def test_a_qkv_projection_that_does_not_fit_the_heads_is_refused_at_load(
     )
     stack.add_layer([model.layers[0].input_layernorm.weight, model.norm.weight])
     with pytest.raises(RuntimeError, match="qkv width 960"):
-        stack.add_matrix(*attn.qkv_proj.qweight.kernel_args())
+        stack.add_projection(attn.qkv_proj.native_projection())
+    with pytest.raises(RuntimeError, match="expected a projection object"):
+        stack.add_projection(model.norm.weight)

@@ -1,17 +1,19 @@
-"""A quantized decoder's layers as one native call per step
-(``csrc/quantization/decoder_stack.cpp``).
+"""A decoder's layers as one native call per step (``csrc/decoder/decoder_stack.cpp``),
+over any weights whose projections have a native kernel: quantized panels
+(``quantization.linear.QuantLinear``) or float ones (``panel_linear.PanelLinear``).
 
 The stack is given the layers' recipe (``DecoderLayer.recipe``) by step name and
-runs it in C++ with the kernels the modules call, so its output equals theirs
-bit for bit. It computes models whose layers share one recipe of steps it
-implements, with quantized projections without bias, full rotate-half RoPE, no
-sliding windows or soft-capped scores, a SiLU MLP and one norm epsilon
+each projection as a native object (``PanelProjection.native_projection``), and
+runs the recipe in C++ with the kernels the modules call, so its output equals
+theirs bit for bit. It computes models whose layers share one recipe of steps it
+implements, with projections without bias, full rotate-half RoPE, no sliding
+windows or soft-capped scores, a SiLU MLP and one norm epsilon
 (``DecoderStack.refusal`` names what else a model has); it needs the native
-layer ops and attention kernel, and serves the steps that kernel takes whole
-(every request at most ``NATIVE_MAX_QUERY`` new tokens: decodes, speculative
-verification, short prompt chunks). Whether a model gets one is the forward
-plan's decision (``model_loader.forward_plan``); the other steps run through
-the modules.
+matmul, layer ops and attention kernel, and serves the steps that kernel takes
+whole (every request at most ``NATIVE_MAX_QUERY`` new tokens: decodes,
+speculative verification, short prompt chunks). Whether a model gets one is the
+forward plan's decision (``model_loader.forward_plan``); the other steps run
+through the modules.
 """
 
 from __future__ import annotations
@@ -24,15 +26,15 @@ import torch
 
 from tokenloom.model.attention import AttentionMetadata
 from tokenloom.model.llama import CausalLM, DecoderLayer, KVCache
+from tokenloom.model.panel_linear import PanelProjection
 from tokenloom.model.recipe import PROJECTIONS
-from tokenloom.quantization.kernels import native_available
-from tokenloom.quantization.linear import QuantLinear
+from tokenloom.ops.native_library import kernels_enabled, load_library
 
 
 @functools.cache
 def implemented_steps() -> frozenset[str]:
     """The recipe steps the native stack implements, by name."""
-    return frozenset(torch.ops.tokenloom_quant.decoder_stack_steps())
+    return frozenset(torch.ops.tokenloom_cpu.decoder_stack_steps())
 
 
 class DecoderStack:
@@ -46,7 +48,7 @@ class DecoderStack:
         recipe = layers[0].recipe
         first = layers[0].self_attn
         scale = first.scale if first.scale is not None else 1.0 / math.sqrt(first.head_dim)
-        self.stack = torch.classes.tokenloom_quant.DecoderStack(
+        self.stack = torch.classes.tokenloom_cpu.DecoderStack(
             [step.op.value for step in recipe],
             first.num_heads,
             first.num_kv_heads,
@@ -59,14 +61,21 @@ class DecoderStack:
             self.stack.add_layer([layer.norm(step.norm).weight for step in recipe if step.norm])
             for step in recipe:
                 if step.op in PROJECTIONS:
-                    proj = cast(QuantLinear, layer.get_submodule(PROJECTIONS[step.op]))
-                    self.stack.add_matrix(*proj.qweight.kernel_args())
+                    proj = layer.get_submodule(PROJECTIONS[step.op])
+                    if not isinstance(proj, PanelProjection):
+                        raise ValueError(
+                            f"the decoder stack needs native projections; "
+                            f"{PROJECTIONS[step.op]} is a {type(proj).__name__}"
+                        )
+                    self.stack.add_projection(proj.native_projection())
 
     @staticmethod
     def refusal(model: CausalLM) -> str | None:
-        """Why the stack cannot compute ``model``'s layers, or None where it can."""
-        if not native_available():
-            return "the native quantized kernels are unavailable"
+        """Why the stack cannot compute ``model``'s layers (its projections aside, which
+        the forward plan's matmul decides), or None where it can. Asks only the
+        model's structure: it answers on the meta device, before the weights load."""
+        if not kernels_enabled() or load_library() is None:
+            return "the native kernels are unavailable"
         layers = [cast(DecoderLayer, layer) for layer in model.layers]
         if not layers:
             return "the model has no layers"
@@ -83,9 +92,7 @@ class DecoderStack:
             for step in recipe:
                 if step.op in PROJECTIONS:
                     proj = layer.get_submodule(PROJECTIONS[step.op])
-                    if type(proj) is not QuantLinear:
-                        return "its projections are not quantized"
-                    if proj.bias is not None:
+                    if getattr(proj, "bias", None) is not None:
                         return f"layer {i}'s {PROJECTIONS[step.op]} has a bias"
                 if step.norm:
                     eps.add(layer.norm(step.norm).eps)

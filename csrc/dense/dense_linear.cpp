@@ -1,0 +1,357 @@
+// y = x @ W.T for float weights kept in their own dtype (bfloat16 or
+// float32), with float32 activations and accumulators.
+//
+// Weights arrive in panel order (tokenloom/model/panel_linear.py packs them):
+// output rows in panels of 16, and within a panel, per 4-byte word of a row,
+// the 16 rows' words side by side: panels [P, words, 16, E] with E elements
+// per word (2 bfloat16, 1 float32), rows past N and columns past K zero. So
+// one 64-byte load holds one word of 16 rows, and the kernel computes outer
+// products as the quantized one does (quantization/quant_linear.cpp): each
+// float lane is one output row, every activation row's word is broadcast
+// against it, and no lane ever needs a horizontal sum.
+//
+// - bfloat16 with AVX512_BF16: `vdpbf16ps` multiplies a word's two weights by
+//   the activation row's two columns, rounded to bfloat16 (to nearest even,
+//   once per matmul, as oneDNN rounds them), and adds both products to the
+//   float32 lane: one instruction per 32 multiply-adds, twice the float32
+//   FMA's rate.
+// - bfloat16 without it (AVX2, AVX-512 before Zen 4 / Cooper Lake): each word
+//   is widened in registers (a bfloat16 is the top half of a float32: a shift
+//   and a mask) and multiplied by the float32 activations with two FMAs. The
+//   weights stay 16-bit in memory, where a batch-1 step reads them.
+// - float32: one FMA per word.
+//
+// A tile is kTileM activation rows by two vectors of output rows (two panels
+// with AVX-512, one panel's two halves with AVX2), accumulated in registers
+// over every word of K. Every row count runs this one loop, each activation
+// row with its own accumulators over the words in order: a row's result
+// depends neither on the rows beside it nor on the thread count.
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+
+#include "common/denormals.h"
+#include "common/panel_schedule.h"
+#include "common/vec.h"
+#include "dense/dense_matrix.h"
+
+namespace tokenloom {
+namespace {
+
+constexpr int64_t kPanel = 16;                      // output rows per panel
+constexpr int64_t kWordBytes = 4;                   // bytes of one row per word
+constexpr int64_t kWordStep = kPanel * kWordBytes;  // one word of a panel's rows
+constexpr int kVecsPerUnit = 2;                     // output vectors per tile
+// As in the quantized kernel: a batch-1 step streams each matrix from L3 or
+// DRAM once, and the hardware prefetcher restarts at every 4 KB page.
+constexpr int64_t kPrefetchBytes = 4096;
+
+#if defined(__AVX512F__)
+constexpr int64_t kRowsPerVec = 16;  // output rows (float lanes) per vector
+constexpr int64_t kTileM = 8;        // activation rows per register tile
+typedef __m512 fvec_t;
+typedef __m512i ivec_t;
+inline fvec_t zero_f() { return _mm512_setzero_ps(); }
+inline fvec_t load_f(const uint8_t* p) { return _mm512_loadu_ps(p); }
+inline ivec_t load_i(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline fvec_t set1_f(float v) { return _mm512_set1_ps(v); }
+inline fvec_t fma(fvec_t a, fvec_t b, fvec_t c) { return _mm512_fmadd_ps(a, b, c); }
+inline fvec_t even_half(ivec_t v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+inline fvec_t odd_half(ivec_t v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536)));
+}
+inline void store_f(float* p, fvec_t v) { _mm512_storeu_ps(p, v); }
+#elif defined(__AVX2__)
+constexpr int64_t kRowsPerVec = 8;
+constexpr int64_t kTileM = 4;  // 16 ymm registers
+typedef __m256 fvec_t;
+typedef __m256i ivec_t;
+inline fvec_t zero_f() { return _mm256_setzero_ps(); }
+inline fvec_t load_f(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
+inline ivec_t load_i(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline fvec_t set1_f(float v) { return _mm256_set1_ps(v); }
+inline fvec_t fma(fvec_t a, fvec_t b, fvec_t c) { return _mm256_fmadd_ps(a, b, c); }
+inline fvec_t even_half(ivec_t v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline fvec_t odd_half(ivec_t v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(-65536)));
+}
+inline void store_f(float* p, fvec_t v) { _mm256_storeu_ps(p, v); }
+#else
+#error "the dense kernel needs AVX2 (see tokenloom/ops/cpu_variants.py)"
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TL_BF16_DOT 1
+#else
+#define TL_BF16_DOT 0
+#endif
+
+// How a tile multiplies: the weights' dtype, and for bfloat16 whether the
+// CPU multiplies bfloat16 pairs itself.
+enum class Kind { kFloat32, kBf16Widened, kBf16Dot };
+
+constexpr Kind bf16_kind() { return TL_BF16_DOT ? Kind::kBf16Dot : Kind::kBf16Widened; }
+
+// out[(r * kVecsPerUnit + j) * kRowsPerVec + i], for activation rows r < MR
+// and lane i of the NV output vectors at w[j]: the products over `words`
+// words. x holds the MR rows x_stride elements apart: float32 (two columns a
+// word for kBf16Widened) or, for kBf16Dot, bfloat16 pairs (one int32 a word).
+// Not inlined: one copy per shape, as in the quantized kernel.
+template <Kind K, int MR, int NV>
+__attribute__((noinline)) void dense_tile(const uint8_t* const* w, int64_t words, const void* x,
+                                          int64_t x_stride, float* out) {
+  fvec_t acc[MR][NV];
+  for (auto& row : acc) {
+    for (auto& v : row) v = zero_f();
+  }
+  const uint8_t* wp[NV];
+  for (int j = 0; j < NV; ++j) wp[j] = w[j];
+#pragma GCC unroll 2
+  for (int64_t t = 0; t < words; ++t) {
+    for (int j = 0; j < NV; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp[j] + t * kWordStep + kPrefetchBytes),
+                   _MM_HINT_T0);
+    }
+    if constexpr (K == Kind::kFloat32) {
+      const float* xt = static_cast<const float*>(x) + t;
+      fvec_t wv[NV];
+      for (int j = 0; j < NV; ++j) wv[j] = load_f(wp[j] + t * kWordStep);
+      for (int r = 0; r < MR; ++r) {
+        const fvec_t xb = set1_f(xt[r * x_stride]);
+        for (int j = 0; j < NV; ++j) acc[r][j] = fma(wv[j], xb, acc[r][j]);
+      }
+    } else if constexpr (K == Kind::kBf16Widened) {
+      const float* xt = static_cast<const float*>(x) + 2 * t;
+      fvec_t even[NV], odd[NV];
+      for (int j = 0; j < NV; ++j) {
+        const ivec_t v = load_i(wp[j] + t * kWordStep);
+        even[j] = even_half(v);
+        odd[j] = odd_half(v);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const fvec_t x0 = set1_f(xt[r * x_stride]), x1 = set1_f(xt[r * x_stride + 1]);
+        for (int j = 0; j < NV; ++j) acc[r][j] = fma(odd[j], x1, fma(even[j], x0, acc[r][j]));
+      }
+    } else {
+#if TL_BF16_DOT
+      const int32_t* xt = static_cast<const int32_t*>(x) + t;
+      __m512bh wv[NV];
+      for (int j = 0; j < NV; ++j) wv[j] = reinterpret_cast<__m512bh>(load_i(wp[j] + t * kWordStep));
+      for (int r = 0; r < MR; ++r) {
+        const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xt[r * x_stride]));
+        for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xb);
+      }
+#endif
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < NV; ++j) store_f(out + (r * kVecsPerUnit + j) * kRowsPerVec, acc[r][j]);
+  }
+}
+
+// dense_tile for `rows` (1 to kTileM) activation rows.
+template <Kind K, int NV, int MR = kTileM>
+void any_tile(int64_t rows, const uint8_t* const* w, int64_t words, const void* x,
+              int64_t x_stride, float* out) {
+  if constexpr (MR > 0) {
+    if (rows == MR) {
+      dense_tile<K, MR, NV>(w, words, x, x_stride, out);
+    } else {
+      any_tile<K, NV, MR - 1>(rows, w, words, x, x_stride, out);
+    }
+  }
+}
+
+// The activations as the tiles read them: x itself (float32 kinds, whose
+// rows need only unit stride), or its rows rounded to bfloat16 (kBf16Dot:
+// one conversion per matmul, not per tile), zero-padded to whole words.
+struct DenseActs {
+  const void* data;
+  int64_t stride;  // elements (kBf16Dot: words) from one row to the next
+  at::Tensor held;
+
+  DenseActs(const at::Tensor& x, Kind kind, int64_t words) {
+    const int64_t rows = x.size(0), cols = x.size(1);
+    if (kind != Kind::kBf16Dot) {
+      // Widened pairs read two columns a word: an odd K needs a zero column.
+      held = kind == Kind::kBf16Widened && cols % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
+      data = held.data_ptr<float>();
+      stride = held.stride(0);
+      return;
+    }
+    held = at::empty({rows, words}, x.options().dtype(at::kInt));
+    int32_t* out = held.data_ptr<int32_t>();
+    const float* src = x.data_ptr<float>();
+    const int64_t src_stride = x.stride(0);
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) to_bf16_pairs(src + m * src_stride, cols, out + m * words, words);
+    });
+    data = out;
+    stride = words;
+  }
+
+  // Columns [0, cols) of a row as bfloat16 (round to nearest even), in order,
+  // zero up to 2 * words.
+  static void to_bf16_pairs(const float* x, int64_t cols, int32_t* out, int64_t words) {
+    c10::BFloat16* bf = reinterpret_cast<c10::BFloat16*>(out);
+    int64_t c = 0;
+#if TL_BF16_DOT
+    for (; c + 2 * kLanes <= cols; c += 2 * kLanes) {
+      const __m512 low = _mm512_loadu_ps(x + c), high = _mm512_loadu_ps(x + c + kLanes);
+      _mm512_storeu_si512(bf + c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
+    }
+#endif
+    for (; c < cols; ++c) bf[c] = c10::BFloat16(x[c]);  // c10 rounds to nearest even
+    for (; c < 2 * words; ++c) bf[c] = c10::BFloat16(0.0f);
+  }
+};
+
+// Up to 16 lanes of silu(gate) * up, as layer_ops' silu_and_mul computes them.
+inline void silu_lanes(const float* gate, const float* up, float* out, int64_t count) {
+  if (count == kLanes) {
+    store(out, silu_times(load(gate), load(up)));
+    return;
+  }
+  float g[kLanes] = {}, u[kLanes] = {}, o[kLanes];
+  std::copy(gate, gate + count, g);
+  std::copy(up, up + count, u);
+  store(o, silu_times(load(g), load(u)));
+  std::copy(o, o + count, out);
+}
+
+// y [rows, n_out] (or [rows, n_out / 2] with silu_pairs) from the panels.
+// A unit is kVecsPerUnit output vectors: consecutive ones, or with silu_pairs
+// one vector of the gate half and the same vector of the up half, whose
+// product the tile's epilogue writes.
+template <Kind K>
+void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const DenseActs& a,
+                int64_t rows, float* y, bool silu_pairs) {
+  const int64_t vecs = (n_out + kRowsPerVec - 1) / kRowsPerVec;
+  const int64_t half_vecs = n_out / 2 / kRowsPerVec;
+  const int64_t units = silu_pairs ? half_vecs : (vecs + kVecsPerUnit - 1) / kVecsPerUnit;
+  const int64_t out_cols = silu_pairs ? n_out / 2 : n_out;
+  const int64_t panel_bytes = words * kWordStep;
+  const auto vec_at = [&](int64_t v) {
+    return panels + (v * kRowsPerVec / kPanel) * panel_bytes + (v * kRowsPerVec % kPanel) * kWordBytes;
+  };
+  const int64_t unit_bytes = panel_bytes * kVecsPerUnit * kRowsPerVec / kPanel;
+  const int64_t tile_bytes = kTileM * words * kWordBytes * (K == Kind::kBf16Dot ? 1 : 2);
+  run_panel_tiles(units, rows, kTileM, unit_bytes, tile_bytes, [&](int64_t u, int64_t m, int64_t tile_rows) {
+    alignas(64) float out[kTileM * kVecsPerUnit * kRowsPerVec];
+    const void* x = static_cast<const char*>(a.data) +
+                    m * a.stride * (K == Kind::kBf16Dot ? sizeof(int32_t) : sizeof(float));
+    const uint8_t* w[kVecsPerUnit];
+    if (silu_pairs) {
+      w[0] = vec_at(u);
+      w[1] = vec_at(u + half_vecs);
+      any_tile<K, 2>(tile_rows, w, words, x, a.stride, out);
+      for (int64_t r = 0; r < tile_rows; ++r) {
+        const float* o = out + r * kVecsPerUnit * kRowsPerVec;
+        silu_lanes(o, o + kRowsPerVec, y + (m + r) * out_cols + u * kRowsPerVec, kRowsPerVec);
+      }
+      return;
+    }
+    const int64_t v0 = u * kVecsPerUnit, nv = std::min<int64_t>(kVecsPerUnit, vecs - v0);
+    for (int64_t j = 0; j < nv; ++j) w[j] = vec_at(v0 + j);
+    if (nv == 2) {
+      any_tile<K, 2>(tile_rows, w, words, x, a.stride, out);
+    } else {
+      any_tile<K, 1>(tile_rows, w, words, x, a.stride, out);
+    }
+    const int64_t n0 = v0 * kRowsPerVec, count = std::min(nv * kRowsPerVec, n_out - n0);
+    for (int64_t r = 0; r < tile_rows; ++r) {
+      std::memcpy(y + (m + r) * out_cols + n0, out + r * kVecsPerUnit * kRowsPerVec,
+                  count * sizeof(float));
+    }
+  });
+}
+
+}  // namespace
+
+DenseMatrix::DenseMatrix(const at::Tensor& panels, int64_t k, int64_t n_out)
+    : panels_(panels), k_(k), n_out_(n_out) {
+  TORCH_CHECK(panels.dim() == 4 && panels.is_contiguous() && panels.size(2) == kPanel,
+              "panels must be contiguous [panels, words, 16, elements per word]");
+  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 || panels.scalar_type() == at::kFloat,
+              "panels must be bfloat16 or float32, got ", panels.scalar_type());
+  TORCH_CHECK(panels.size(3) * panels.element_size() == kWordBytes,
+              "a word holds ", kWordBytes / panels.element_size(), " elements of ",
+              panels.scalar_type());
+  words_ = panels.size(1);
+  TORCH_CHECK(k > 0 && k <= words_ * panels.size(3) && k > (words_ - 1) * panels.size(3),
+              "k ", k, " does not match the panels' ", words_, " words");
+  TORCH_CHECK(n_out > (panels.size(0) - 1) * kPanel && n_out <= panels.size(0) * kPanel,
+              "n_out ", n_out, " does not match the panels");
+}
+
+at::Tensor DenseMatrix::operator()(const at::Tensor& x) const { return apply(x, false); }
+
+at::Tensor DenseMatrix::silu_product(const at::Tensor& x) const { return apply(x, true); }
+
+bool DenseMatrix::has_silu_product() const { return n_out_ % (2 * kPanel) == 0; }
+
+at::Tensor DenseMatrix::apply(const at::Tensor& x, bool silu_pairs) const {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == k_,
+              "x must be float32 [M, ", k_, "]");
+  TORCH_CHECK(!silu_pairs || has_silu_product(),
+              "silu_product needs whole panels in each half: n_out a multiple of ", 2 * kPanel,
+              ", got ", n_out_);
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows, silu_pairs ? n_out_ / 2 : n_out_}, x.options());
+  if (rows == 0) return out;
+  const FlushDenormals flush;
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const auto* panels = static_cast<const uint8_t*>(panels_.data_ptr());
+  float* y = out.data_ptr<float>();
+  if (panels_.scalar_type() == at::kFloat) {
+    const DenseActs acts(xc, Kind::kFloat32, words_);
+    dense_gemm<Kind::kFloat32>(panels, words_, n_out_, acts, rows, y, silu_pairs);
+  } else {
+    const DenseActs acts(xc, bf16_kind(), words_);
+    dense_gemm<bf16_kind()>(panels, words_, n_out_, acts, rows, y, silu_pairs);
+  }
+  return out;
+}
+
+namespace {
+
+// The TorchScript class the decoder stack takes (common/projection.h).
+struct DenseProjection : ProjectionClass {
+  DenseProjection(const at::Tensor& panels, int64_t k, int64_t n_out)
+      : matrix(std::make_shared<const DenseMatrix>(panels, k, n_out)) {}
+  std::shared_ptr<const Projection> projection() const override { return matrix; }
+  std::shared_ptr<const DenseMatrix> matrix;
+};
+
+// dense_linear: x @ W.T; dense_linear_silu (SiluPairs): silu(y[:, :n_out / 2])
+// * y[:, n_out / 2:] of that y, without y.
+template <bool SiluPairs>
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& panels, int64_t k, int64_t n_out) {
+  const DenseMatrix matrix(panels, k, n_out);
+  return SiluPairs ? matrix.silu_product(x) : matrix(x);
+}
+
+}  // namespace
+}  // namespace tokenloom
+
+TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
+  m.def("dense_linear(Tensor x, Tensor panels, int k, int n_out) -> Tensor");
+  m.def("dense_linear_silu(Tensor x, Tensor panels, int k, int n_out) -> Tensor");
+  // Whether bfloat16 weights multiply bfloat16-rounded activations (vdpbf16ps)
+  // or are widened to float32 against float32 ones.
+  m.def("dense_bf16_dot_products() -> bool", []() { return TL_BF16_DOT != 0; });
+  m.impl("dense_linear", c10::DispatchKey::CPU, &tokenloom::dense_linear<false>);
+  m.impl("dense_linear_silu", c10::DispatchKey::CPU, &tokenloom::dense_linear<true>);
+  m.class_<tokenloom::DenseProjection>("DenseProjection")
+      .def(torch::init<at::Tensor, int64_t, int64_t>())
+      .def("forward", [](const c10::intrusive_ptr<tokenloom::DenseProjection>& self,
+                         const at::Tensor& x) { return (*self->matrix)(x); });
+}

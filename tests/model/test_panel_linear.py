@@ -1,0 +1,219 @@
+"""The native dense kernel (``csrc/dense/dense_linear.cpp``) and its panel layout
+against their torch references, on odd shapes (N not whole panels, K odd, rows
+not whole tiles), for bfloat16 and float32 weights.
+
+bfloat16 weights multiply activations rounded to bfloat16 where the library has
+bf16 dot products (``dense_bf16_dot_products``), float32 ones elsewhere; either
+way the reference is that product in float64, and the kernel must match it to
+float32 accumulation error. Each row's result must not depend on the rows
+beside it or on the thread count, to the bit. Every other built variant this
+CPU runs (the widening paths of AVX-512 without BF16, and AVX2) runs this file
+again in a process of its own."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenloom.model.panel_linear import (
+    PANEL,
+    DensePanels,
+    PanelEmbedding,
+    PanelLinear,
+    pack_linears,
+    pack_panels,
+    use_native_matmul,
+)
+from tokenloom.ops import native_library
+from tokenloom.ops.cpu_variants import cpu_flags, variant_named
+
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def native_kernels() -> None:
+    assert native_library.load_library() is not None, "the native library is not built"
+
+
+ODD_SHAPES = [(1, 1), (17, 31), (48, 65), (100, 7), (33, 576), (960, 576), (64, 1536)]
+
+
+def weight(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float64."""
+    bf16_dot = torch.ops.tokenloom_cpu.dense_bf16_dot_products()
+    if w.dtype == torch.bfloat16 and bf16_dot:
+        x = x.to(torch.bfloat16)
+    return x.double() @ w.double().T
+
+
+def assert_fp32_close(actual: torch.Tensor, expected: torch.Tensor, k: int) -> None:
+    """Within float32 accumulation error over k products, against the output's scale."""
+    scale = float(expected.abs().max()) + 1e-6
+    torch.testing.assert_close(actual.double(), expected, rtol=0, atol=4e-7 * k**0.5 * scale)
+
+
+def test_panels_round_trip_and_pad_with_zeros() -> None:
+    w = weight(17, 31, torch.bfloat16)
+    panels = pack_panels(w)
+    assert panels.shape == (2, 16, PANEL, 2)  # 32 rows, 16 words of 2
+    dense = DensePanels.from_weight(w)
+    assert torch.equal(dense.rows(), w)
+    rows = torch.tensor([16, 0, 5])
+    assert torch.equal(dense.rows(rows), w[rows])
+    assert panels[1, :, 1:].eq(0).all() and panels[:, -1, :, 1].eq(0).all()
+    assert pack_panels(weight(5, 3, torch.float32)).shape == (1, 3, PANEL, 1)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        pack_panels(w.half())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("n", "k"), ODD_SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 9, 17, 130])
+def test_kernel_matches_its_reference(dtype: torch.dtype, n: int, k: int, rows: int) -> None:
+    w = weight(n, k, dtype)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
+    out = torch.ops.tokenloom_cpu.dense_linear(x, pack_panels(w), k, n)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    assert_fp32_close(out, reference(x, w), k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strided_rows_and_empty_batches(dtype: torch.dtype) -> None:
+    w = weight(40, 64, dtype)
+    wide = torch.randn(7, 100)
+    x = wide[:, 10:74]  # rows 100 floats apart
+    out = torch.ops.tokenloom_cpu.dense_linear(x, pack_panels(w), 64, 40)
+    assert torch.equal(
+        out, torch.ops.tokenloom_cpu.dense_linear(x.contiguous(), pack_panels(w), 64, 40)
+    )
+    empty = torch.ops.tokenloom_cpu.dense_linear(torch.empty(0, 64), pack_panels(w), 64, 40)
+    assert empty.shape == (0, 40)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_row_does_not_depend_on_the_batch_or_the_threads(dtype: torch.dtype) -> None:
+    n, k = 100, 77
+    w = pack_panels(weight(n, k, dtype))
+    x = torch.randn(40, k)
+    alone = torch.cat(
+        [torch.ops.tokenloom_cpu.dense_linear(x[i : i + 1], w, k, n) for i in range(40)]
+    )
+    for rows in range(1, 40):
+        assert torch.equal(torch.ops.tokenloom_cpu.dense_linear(x[:rows], w, k, n), alone[:rows])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = torch.ops.tokenloom_cpu.dense_linear(x, w, k, n)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, alone)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_the_fused_activation_equals_projection_then_silu(dtype: torch.dtype, rows: int) -> None:
+    n, k = 96, 40  # each half three panels
+    w = pack_panels(weight(n, k, dtype))
+    x = torch.randn(rows, k)
+    both = torch.ops.tokenloom_cpu.dense_linear(x, w, k, n)
+    expected = torch.empty(rows, n // 2)
+    torch.ops.tokenloom_cpu.silu_and_mul(expected, both)
+    assert torch.equal(torch.ops.tokenloom_cpu.dense_linear_silu(x, w, k, n), expected)
+    torch.testing.assert_close(expected, F.silu(both[:, : n // 2]) * both[:, n // 2 :])
+    with pytest.raises(RuntimeError, match="whole panels in each half"):
+        torch.ops.tokenloom_cpu.dense_linear_silu(x, pack_panels(weight(80, k, dtype)), k, 80)
+
+
+def test_bad_arguments_are_refused() -> None:
+    w = pack_panels(weight(40, 64, torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"x must be float32 \[M, 64\]"):
+        torch.ops.tokenloom_cpu.dense_linear(torch.randn(2, 63), w, 64, 40)
+    with pytest.raises(RuntimeError, match="n_out 49 does not match"):
+        torch.ops.tokenloom_cpu.dense_linear(torch.randn(2, 64), w, 64, 49)
+    with pytest.raises(RuntimeError, match="k 80 does not match"):
+        torch.ops.tokenloom_cpu.dense_linear(torch.randn(2, 80), w, 80, 40)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        torch.ops.tokenloom_cpu.dense_linear(torch.randn(2, 64), w.half(), 64, 40)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_modules_run_the_kernel_or_unpack_for_torch(dtype: torch.dtype) -> None:
+    model = torch.nn.Sequential(
+        torch.nn.Linear(50, 70, dtype=dtype), torch.nn.Linear(70, 30, bias=False, dtype=dtype)
+    )
+    weights = [model[0].weight.detach().clone(), model[1].weight.detach().clone()]
+    bias = model[0].bias.detach().float()
+    assert pack_linears(model) == 2
+    assert isinstance(model[0], PanelLinear) and model[0].bias.dtype == torch.float32
+    x = torch.randn(3, 4, 50)  # any leading shape
+    native = model(x)
+    first = reference(x.reshape(-1, 50), weights[0]) + bias.double()
+    assert native.shape == (3, 4, 30)
+    use_native_matmul(model, False)
+    assert not model[0].native
+    unpacked = model(x)
+    expected = F.linear(
+        F.linear(x.to(dtype), weights[0], bias.to(dtype)).float().to(dtype), weights[1]
+    )
+    torch.testing.assert_close(unpacked, expected.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(native, unpacked, rtol=2e-2, atol=2e-2)
+    use_native_matmul(model, True)
+    assert_fp32_close(model[0](x.reshape(-1, 50)), first, 50)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_embedding_gathers_the_heads_rows(dtype: torch.dtype) -> None:
+    w = weight(37, 24, dtype)
+    panels = DensePanels.from_weight(w)
+    ids = torch.tensor([[36, 0], [17, 17]])
+    gathered = PanelEmbedding(panels)(ids)
+    assert gathered.dtype == torch.float32 and torch.equal(gathered, w[ids].float())
+    head = PanelLinear(panels)
+    assert head.native_projection().forward(gathered[0]).equal(head(gathered[0]))
+    # More tokens than the vocabulary has rows: a prefill's embedding.
+    many = torch.arange(100) % 37
+    assert torch.equal(PanelEmbedding(panels)(many), w[many].float())
+
+
+def test_every_other_built_variant_passes_these_tests() -> None:
+    """The library variants this process did not load (one per process: they
+    register the same ops), on this file, where the CPU runs them."""
+    loaded = native_library.load_library()
+    assert loaded is not None
+    others = [
+        name
+        for name in native_library.built_variants()
+        if name != loaded.name and variant_named(name, platform.machine()).cpu_flags <= cpu_flags()
+    ]
+    for name in others:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                __file__,
+                "-k",
+                "not every_other_built_variant",
+            ],
+            env=dict(os.environ, TOKENLOOM_CPU_VARIANT=name),
+            cwd=Path(__file__).resolve().parents[2],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert done.returncode == 0, f"variant {name}:\n{done.stdout[-3000:]}"
