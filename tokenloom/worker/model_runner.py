@@ -46,7 +46,7 @@ from tokenloom.worker.input_batch import InputBatch
 from tokenloom.worker.kv_connector.base import KVConnectorWorker
 from tokenloom.worker.multimodal import MultiModalRunner
 from tokenloom.worker.pooling_runner import PoolingRunner
-from tokenloom.worker.sampler import Sampler
+from tokenloom.worker.sampler import Sampler, SamplerOutput
 from tokenloom.worker.sampling_metadata import SamplingMetadata
 from tokenloom.worker.spec_decode.speculator import Speculator
 from tokenloom.worker.spec_decode.verifier import verify
@@ -482,12 +482,7 @@ class ModelRunner:
         for i, token in zip(step.sample_idx.tolist(), tokens, strict=True):
             sampled_ids[i] = [token]
         self.input_batch.append_token(step.row_slots, np.asarray(tokens, dtype=np.int32))
-        logprobs: list[list[TokenLogprobs] | None] | None = None
-        if sampled.logprobs is not None:
-            logprobs = [None] * len(step.req_ids)
-            for i, entry in zip(step.sample_idx.tolist(), sampled.logprobs, strict=True):
-                if entry is not None:
-                    logprobs[i] = [entry]
+        logprobs = _request_logprobs(len(step.req_ids), step.sample_idx.tolist(), sampled)
         return self._output(step.req_ids, sampled_ids, logprobs)
 
     def _sample_deferred(
@@ -521,12 +516,7 @@ class ModelRunner:
                 self._unresolved = None
 
         self._finish_launched = finish
-        logprobs: list[list[TokenLogprobs] | None] | None = None
-        if sampled.logprobs is not None:
-            logprobs = [None] * len(req_ids)
-            for i, entry in zip(sample_idx, sampled.logprobs, strict=True):
-                if entry is not None:
-                    logprobs[i] = [entry]
+        logprobs = _request_logprobs(len(req_ids), sample_idx, sampled)
         return self._output(req_ids, [[] for _ in req_ids], logprobs)
 
     def _feed_in_flight_tokens(self, step: StepInputs) -> None:
@@ -617,6 +607,19 @@ class ModelRunner:
             sampled_token_ids=sampled_ids,
             logprobs=logprobs,
         )
+
+
+def _request_logprobs(
+    num_reqs: int, sample_idx: list[int], sampled: SamplerOutput
+) -> list[list[TokenLogprobs] | None] | None:
+    """Each request's logprobs entry for its one sampled token (None: not asked)."""
+    if sampled.logprobs is None:
+        return None
+    logprobs: list[list[TokenLogprobs] | None] = [None] * num_reqs
+    for i, entry in zip(sample_idx, sampled.logprobs, strict=True):
+        if entry is not None:
+            logprobs[i] = [entry]
+    return logprobs
 
 
 def _logits_rows(step: StepInputs, grammar: GrammarOutput) -> dict[str, tuple[int, int]]:
