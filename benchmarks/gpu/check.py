@@ -647,7 +647,7 @@ def section_hf(args: argparse.Namespace, results: Results) -> None:
         with torch.device(args.device):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
         best = None
-        for batch in (2, 4) if args.small else (32, 128):
+        for batch in (2, 4) if args.small else args.hf_batches:
             chosen = requests[:batch]
             width = max(len(p) for p, _ in chosen)
             ids = torch.zeros(batch, width, dtype=torch.long)
@@ -710,6 +710,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument(
+        "--hf-batches",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[32, 128],
+        help="the hf section's static batch sizes",
+    )
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,

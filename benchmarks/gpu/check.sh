@@ -55,7 +55,11 @@ for section in $SECTIONS; do
             run workload 120 --shapes llama-3.2-1b
             run workload 180 --shapes llama-3.1-8b
             ;;
-        hf) run hf 120 --shapes llama-3.2-1b,llama-3.1-8b ;;
+        # The 8B shape's batch of 128 alone outlasts what the budget leaves.
+        hf)
+            run hf 100 --shapes llama-3.2-1b --hf-batches 32,128
+            run hf 80 --shapes llama-3.1-8b --hf-batches 32
+            ;;
         *) echo "unknown section $section" ;;
     esac
 done
