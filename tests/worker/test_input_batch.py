@@ -263,3 +263,17 @@ def test_sampling_metadata_bans_the_stopping_ids_until_min_tokens() -> None:
     batch.remove_request("c")
     batch.condense()
     assert batch.req_id_to_index == {"a": 0} and batch.stopping_token_ids[0] == (0, 7)
+
+
+def test_plain_rows_follow_their_request_and_skip_the_optional_metadata() -> None:
+    batch = make_batch()
+    add(batch, "gone", 3)
+    add(batch, "plain", 3)
+    add(batch, "asks", 3, logprobs=1)
+    batch.remove_request("gone")
+    batch.condense()  # "asks" moves into slot 0
+    assert batch.plain[: batch.num_reqs].tolist() == [False, True]
+    plain = build_sampling_metadata(batch, np.array([1]), np.array([0]))
+    assert plain.no_penalties and plain.banned_rows is None and plain.num_logprobs is None
+    both = build_sampling_metadata(batch, np.array([0, 1]), np.array([0, 0]))
+    assert both.num_logprobs == [1, -1]
