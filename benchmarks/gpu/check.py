@@ -11,9 +11,14 @@ Sections (``check.sh`` runs them in this order, each in its own process):
   on the same device, over a mixed batch that takes chunked prefill, prefix
   hits and preemption; in bfloat16 the log-probabilities of the chosen tokens
   must match transformers' within bf16 tolerance.
+- ``kernels``: one layer's attention by the Triton kernel, the torch path and
+  PyTorch's FlexAttention, on decodes, a mixed batch and long prefills.
 - ``decode``: batch-1 decode ms/token of the Llama-3.2-1B and Llama-3.1-8B
   shapes (``--load-format dummy``) in bf16, beside the floor of weight bytes
-  read per token over the measured bandwidth; graphs against eager.
+  read per token over the measured bandwidth: graphs with async scheduling (as
+  vLLM users run it), graphs without it, eager with it; for each, where a
+  step's time goes on the host (``step_clock.py``), and the device's own time
+  per step (graph replay, LM head, kernels per step).
 - ``workload``: 1,000 seeded requests (prompts 128-2,048, outputs 64-512 tokens)
   on both shapes, with ``--async-scheduling`` (``--no-async-scheduling``: without):
   output and total tok/s, the total as a share of the matrix roofline, and the
@@ -23,7 +28,8 @@ Sections (``check.sh`` runs them in this order, each in its own process):
 
 Results are appended to ``DIR/results.jsonl`` (one JSON object per measure).
 With ``--small`` the models are tiny and the workload short: the CI runs the
-``correctness`` section on the CPU that way, in Triton's interpreter.
+``correctness``, ``kernels`` and ``decode`` sections on the CPU that way, in
+Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -420,8 +426,8 @@ def attention_batch(query_lens, seq_lens, heads, kv_heads, head_dim, device, blo
     )
 
 
-def time_call(fn, device: str, reps: int = 20) -> float:
-    for _ in range(3):
+def time_call(fn, device: str, reps: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
         fn()
     sync(device)
     start = time.perf_counter()
@@ -431,9 +437,53 @@ def time_call(fn, device: str, reps: int = 20) -> float:
     return (time.perf_counter() - start) / reps
 
 
+def flex_attention_step(b, query_lens, seq_lens, device: str, block_size: int = 16):
+    """PyTorch's FlexAttention over the batch of ``attention_batch`` ``b``: returns
+    (one layer's attention, [T, H * D] as ``paged_attention``; the block mask's
+    build time, s). Like the torch path it writes the step's K/V into the cache
+    and gathers each request's blocks (here into one padded [B, Hkv, S, D]);
+    queries are padded to [B, H, Q, D]. The block mask keeps each query's
+    causal prefix and skips the padding; an engine builds it once per step for
+    every layer, so its build is timed apart. Compiled on CUDA, as it is meant to
+    run; eager (the reference implementation) elsewhere."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from tokenloom.model.attention import _gather_blocks, write_kv
+
+    num, max_q = len(query_lens), max(query_lens)
+    q_len = torch.tensor(query_lens, device=device)
+    before = torch.tensor(seq_lens, device=device) - q_len  # cached keys before the chunk
+
+    def causal_prefix(batch, head, q_idx, kv_idx):
+        return (q_idx < q_len[batch]) & (kv_idx <= q_idx + before[batch])
+
+    width = b["table"].shape[1] * block_size
+    start = time.perf_counter()
+    mask = create_block_mask(causal_prefix, num, None, max_q, width, device=device)
+    sync(device)
+    mask_s = time.perf_counter() - start
+    # Each query's row in the padded [B * Q] (found once: a boolean mask would sync).
+    rows = (torch.arange(max_q, device=device) < q_len[:, None]).flatten().nonzero()[:, 0]
+    attend = torch.compile(flex_attention, dynamic=False) if device.startswith("cuda") else None
+    q = b["q"]
+
+    def run() -> torch.Tensor:
+        write_kv(b["k"], b["v"], b["k_cache"], b["v_cache"], b["slots"])
+        keys = _gather_blocks(b["k_cache"], b["table"], keys=True)
+        values = _gather_blocks(b["v_cache"], b["table"], keys=False)
+        padded = q.new_zeros(num * max_q, *q.shape[1:]).index_copy_(0, rows, q)
+        padded = padded.view(num, max_q, *q.shape[1:]).transpose(1, 2)
+        call = attend or flex_attention
+        out = call(padded, keys, values, block_mask=mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(num * max_q, -1).index_select(0, rows)
+
+    return run, mask_s
+
+
 def section_kernels(args: argparse.Namespace, results: Results) -> None:
     """One layer's attention (1B shape: 32 query heads, 8 KV heads, head_dim 64)
-    through the Triton kernel and through the torch path (gathered blocks, SDPA)."""
+    through the Triton kernel, the torch path (gathered blocks, SDPA) and PyTorch's
+    FlexAttention (gathered blocks, a block mask)."""
     from tokenloom.model.attention import AttentionMetadata, paged_attention
 
     cases = {
@@ -458,19 +508,27 @@ def section_kernels(args: argparse.Namespace, results: Results) -> None:
         )
         torch_meta = AttentionMetadata.build(query_lens, seq_lens, b["table"], b["slots"], 16)
         inputs = (b["q"], b["k"], b["v"], b["k_cache"], b["v_cache"])
+        flex, mask_s = flex_attention_step(b, query_lens, seq_lens, args.device)
         run = {
             "triton": functools.partial(paged_attention, *inputs, kernel_meta),
             "torch": functools.partial(paged_attention, *inputs, torch_meta),
+            "flex": flex,
         }
-        diff = (run["triton"]() - run["torch"]()).abs().max().item()
-        timings = {k: time_call(fn, args.device) * 1e3 for k, fn in run.items()}
+        reference = run["triton"]()
+        diff = {k: (run[k]() - reference).abs().max().item() for k in ("torch", "flex")}
+        # --small (the CPU, the kernel interpreted): only that every path runs.
+        reps, warmup = (1, 0) if args.small else (20, 3)
+        timings = {k: time_call(fn, args.device, reps, warmup) * 1e3 for k, fn in run.items()}
         kv_bytes = sum(seq_lens) * 8 * 64 * 2 * 2
         results.add(
             section="kernels",
             case=name,
             triton_ms=timings["triton"],
             torch_ms=timings["torch"],
-            max_abs_diff=diff,
+            flex_ms=timings["flex"],
+            flex_block_mask_ms=mask_s * 1e3,
+            max_abs_diff=diff["torch"],
+            flex_max_abs_diff=diff["flex"],
             triton_kv_read_bytes_per_s=kv_bytes / (timings["triton"] / 1e3),
         )
 
@@ -526,26 +584,83 @@ def decode_ms_per_token(llm, prompt: list[int], steps: int) -> float:
     return times[1] * 1e3
 
 
+def decode_phases(llm, prompt: list[int], steps: int) -> dict[str, float]:
+    """Where a decode step's wall time goes on the host (``step_clock``): ms per
+    step of each phase over a run of ``steps`` tokens."""
+    from step_clock import clock_engine, per_step_ms
+
+    from tokenloom import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    with clock_engine(llm) as timer:
+        start = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+    return {name: round(ms, 4) for name, ms in per_step_ms(timer, wall).items()}
+
+
+def decode_device_ms(llm, prompt: list[int], device: str) -> dict[str, float]:
+    """The device's own time of a batch-1 decode step: the captured graph's replay
+    alone, the LM head and argmax after it, and (torch profiler, over 32 tokens)
+    kernels per step and the device's busy time per step."""
+    from tokenloom import SamplingParams
+
+    runner = llm.client.core.runner
+    graphs = runner.decode_graphs
+    hidden = graphs.outputs[1][:1]
+    timings = {
+        "replay_ms": time_call(graphs.replays[1], device, reps=50) * 1e3,
+        "head_and_argmax_ms": time_call(
+            lambda: runner.model.compute_logits(hidden).argmax(-1), device, reps=50
+        )
+        * 1e3,
+    }
+    tokens = 32
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    kernels, busy, span = gpu_timeline(lambda: llm.generate([prompt], params, use_tqdm=False))
+    timings.update(
+        kernels_per_step=kernels / tokens,
+        busy_ms_per_step=busy / tokens / 1e3,
+        span_ms_per_step=span / tokens / 1e3,
+    )
+    return timings
+
+
 def section_decode(args: argparse.Namespace, results: Results) -> None:
+    """Batch-1 decode of both shapes: CUDA graphs with and without async
+    scheduling, and eager with it; the host's phases per step; and on CUDA the
+    device's own time per step (``decode_device_ms``)."""
     env = env_record(args.out)
     bandwidth = env.get("copy_bytes_per_s")
     prompt = list(range(100, 228))
     steps = 8 if args.small else 256
-    for shape in SHAPES:
-        for eager in (False, True):
-            llm = dummy_llm(args, shape, enforce_eager=eager, max_num_seqs=8)
+    runs = ((False, True), (False, False), (True, True))  # (eager, async scheduling)
+    for shape in args.shapes.split(","):
+        weight_bytes = weight_bytes_per_token(shape_config(args, shape))
+        floor_ms = weight_bytes / bandwidth * 1e3 if bandwidth else None
+        for eager, async_scheduling in runs:
+            llm = dummy_llm(
+                args,
+                shape,
+                enforce_eager=eager,
+                max_num_seqs=8,
+                async_scheduling=async_scheduling,
+            )
             ms = decode_ms_per_token(llm, prompt, steps)
-            weight_bytes = weight_bytes_per_token(shape_config(args, shape))
-            floor_ms = weight_bytes / bandwidth * 1e3 if bandwidth else None
-            results.add(
+            record: dict[str, Any] = dict(
                 section="decode",
                 model=shape,
                 graphs=not eager,
+                async_scheduling=async_scheduling,
                 ms_per_token=ms,
                 floor_ms=floor_ms,
                 over_floor=ms / floor_ms if floor_ms else None,
                 weight_bytes=weight_bytes,
+                host_phases_ms=decode_phases(llm, prompt, steps),
             )
+            if not eager and args.device.startswith("cuda"):
+                record["device"] = decode_device_ms(llm, prompt, args.device)
+            results.add(**record)
             del llm
             free_memory(args.device)
 
@@ -566,20 +681,21 @@ def workload(num: int, seed: int, small: bool) -> list[tuple[list[int], int]]:
     ]
 
 
-def gpu_idle_share(llm, requests, sampling) -> float:
-    """Share of wall time, between the first and last kernel of the profiled run,
-    in which no kernel ran (the union of kernel intervals against the span)."""
+def gpu_timeline(run) -> tuple[int, float, float]:
+    """(kernels, busy µs, span µs) of the device while ``run()`` runs under the
+    torch profiler: busy is the union of the kernels' intervals, span the time
+    from the first kernel's start to the last one's end."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate([p for p, _ in requests], sampling, use_tqdm=False)
+        run()
     spans = sorted(
         (e.time_range.start, e.time_range.end)
         for e in prof.events()
         if e.device_type.name == "CUDA"
     )
     if not spans:
-        return float("nan")
+        return 0, 0.0, 0.0
     busy, cur_start, cur_end = 0.0, spans[0][0], spans[0][1]
     for start, end in spans[1:]:
         if start > cur_end:
@@ -588,8 +704,16 @@ def gpu_idle_share(llm, requests, sampling) -> float:
         else:
             cur_end = max(cur_end, end)
     busy += cur_end - cur_start
-    total = spans[-1][1] - spans[0][0]
-    return 1.0 - busy / total
+    return len(spans), busy, spans[-1][1] - spans[0][0]
+
+
+def gpu_idle_share(llm, requests, sampling) -> float:
+    """Share of wall time, between the first and last kernel of the profiled run,
+    in which no kernel ran (the union of kernel intervals against the span)."""
+    _, busy, span = gpu_timeline(
+        lambda: llm.generate([p for p, _ in requests], sampling, use_tqdm=False)
+    )
+    return 1.0 - busy / span if span else float("nan")
 
 
 def section_workload(args: argparse.Namespace, results: Results) -> None:

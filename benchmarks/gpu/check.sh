@@ -49,8 +49,8 @@ for section in $SECTIONS; do
     case $section in
         env) run env 60 ;;
         correctness) run correctness 120 ;;
-        kernels) run kernels 60 ;;
-        decode) run decode 150 ;;
+        kernels) run kernels 120 ;;
+        decode) run decode 180 ;;
         workload)
             run workload 120 --shapes llama-3.2-1b
             run workload 180 --shapes llama-3.1-8b

@@ -14,25 +14,34 @@ LM head; norms are negligible) over the memory read bandwidth measured here
 
     .venv/bin/python benchmarks/kernels/step_breakdown.py                 # float32, 2 threads
     .venv/bin/python benchmarks/kernels/step_breakdown.py --kv-cache-dtype bfloat16 --json out.json
+
+``--host-time`` measures instead the host's work of a whole engine step outside
+the model: one request decoded through ``LLM`` (scheduler, runner, front end),
+synchronously and with ``--async-scheduling``, alternated in ABBA rounds in one
+process; per step, the wall time less the forward pass and the LM head, with
+the phases of ``benchmarks/gpu/step_clock.py``. On a GPU this host work sits
+between two steps unless async scheduling hides it.
+
+    .venv/bin/python benchmarks/kernels/step_breakdown.py --host-time --steps 200 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
 import sys
 import time
-from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+
+from step_clock import PhaseTimer, clock_engine, per_step_ms  # noqa: E402
 
 
 def read_bandwidth_gbs(megabytes: int = 1024, repeats: int = 5) -> float:
@@ -85,32 +94,6 @@ def weight_bytes_per_step(model: Any) -> int:
     return total
 
 
-class PhaseTimer:
-    """Accumulates wall time of wrapped callables per phase name, per step."""
-
-    def __init__(self) -> None:
-        self.current: dict[str, float] = defaultdict(float)
-        self.steps: list[dict[str, float]] = []
-
-    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.current[name] += time.perf_counter() - t0
-
-        return timed
-
-    def end_step(self, total: float) -> None:
-        step = dict(self.current)
-        step["other"] = total - sum(step.values())
-        step["total"] = total
-        self.steps.append(step)
-        self.current = defaultdict(float)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: the bundled GGUF")
@@ -122,7 +105,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=15, help="ops listed")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--host-time", action="store_true", help="host time per engine step")
+    ap.add_argument("--rounds", type=int, default=3, help="--host-time: ABBA rounds")
     args = ap.parse_args()
+    if args.host_time:
+        host_time(args)
+        return
 
     import torch
 
@@ -238,6 +226,81 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 
+
+def host_time(args: argparse.Namespace) -> None:
+    """Host ms per decode step outside the model, synchronous against async
+    scheduling, in ABBA rounds (see the module's docstring)."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from _common import cpu_model
+
+    from tokenloom import LLM, SamplingParams
+
+    engines = {
+        mode: LLM(
+            args.model,
+            dtype=args.dtype,
+            max_model_len=args.prompt + args.steps + 64,
+            max_num_seqs=8,
+            async_scheduling=mode == "async",
+            log_stats=False,
+        )
+        for mode in ("sync", "async")
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
+    vocab = engines["sync"].client.core.runner.arch.vocab_size
+    runs: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
+
+    def run(mode: str, variant: int) -> None:
+        llm = engines[mode]
+        prompt = [(7 * i + 100 + variant) % vocab for i in range(args.prompt)]
+        model = llm.client.core.runner.model
+        with clock_engine(llm) as timer:
+            model.forward = timer.wrap("forward", model.forward)
+            model.compute_logits = timer.wrap("logits", model.compute_logits)
+            try:
+                start = time.perf_counter()
+                llm.generate([prompt], params, use_tqdm=False)
+                wall = time.perf_counter() - start
+            finally:
+                del model.forward, model.compute_logits
+        phases = per_step_ms(timer, wall)
+        steps = phases["steps"]
+        model_ms = (timer.current["forward"] + timer.current["logits"]) / steps * 1e3
+        phases["model"] = model_ms
+        phases["host_outside_model"] = phases["wall"] - model_ms
+        runs[mode].append(phases)
+
+    for mode in engines:  # warm-up
+        run(mode, 0)
+        runs[mode].clear()
+    for r in range(args.rounds):
+        for mode in ("sync", "async", "async", "sync"):
+            run(mode, 1 + r)
+    keys = ("wall", "model", "host_outside_model", *PHASES_SHOWN)
+    summary = {
+        mode: {k: round(statistics.median(p[k] for p in phases), 4) for k in keys}
+        for mode, phases in runs.items()
+    }
+    load = os.getloadavg()
+    print(f"CPU: {cpu_model()}, {args.threads} threads, load {load[0]:.2f}")
+    print(f"one request, {args.prompt}-token prompt, {args.steps} steps; ABBA x {args.rounds}")
+    print(f"\n{'ms per step (median of rounds)':32s} {'sync':>9s} {'async':>9s}")
+    for k in keys:
+        print(f"  {k:30s} {summary['sync'][k]:9.4f} {summary['async'][k]:9.4f}")
+    if args.json:
+        result = {
+            "cpu": cpu_model(),
+            "threads": args.threads,
+            "load_avg_1m": round(load[0], 2),
+            "ms_per_step": summary,
+            "command": "python benchmarks/kernels/step_breakdown.py " + " ".join(sys.argv[1:]),
+        }
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+PHASES_SHOWN = ("schedule", "launch", "wait", "update", "outputs", "other")
 
 if __name__ == "__main__":
     main()

@@ -45,3 +45,52 @@ def test_correctness_section_runs_the_triton_path(
         assert "attention=triton" in record["plan"], record["plan"]
         assert record["ok"], record
         assert record["preemptions"] > 0 and record["cached_tokens"] > 0, record
+
+
+def _run_check(section: str, out: Path, tokenizer: Path, *extra: str) -> list[dict]:
+    sys.modules.pop("check", None)
+    import check
+
+    check.main(
+        [section, "--out", str(out), "--device", "cpu", "--small", "--tokenizer", str(tokenizer)]
+        + list(extra)
+    )
+    lines = (out / "results.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+@pytest.mark.e2e
+def test_kernels_section_compares_flex_attention(
+    default_hf_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Triton (interpreted), the torch path and FlexAttention attend the same
+    batches alike, and each is timed."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "gpu"))
+    records = _run_check("kernels", tmp_path, default_hf_model_dir)
+    assert [r["case"] for r in records] == ["decode 4 x 40", "mixed"]
+    for record in records:
+        assert record["max_abs_diff"] < 0.05 and record["flex_max_abs_diff"] < 0.05, record
+        assert min(record["triton_ms"], record["torch_ms"], record["flex_ms"]) > 0, record
+
+
+@pytest.mark.e2e
+def test_decode_section_records_host_phases(
+    default_hf_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Graphs (none on the CPU: the plan runs eagerly) with and without async
+    scheduling, and eager with it; each with the host's phases per step."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "gpu"))
+    records = _run_check("decode", tmp_path, default_hf_model_dir, "--shapes", "llama-3.2-1b")
+    runs = {(r["graphs"], r["async_scheduling"]) for r in records}
+    assert runs == {(True, True), (True, False), (False, True)}
+    for record in records:
+        phases = record["host_phases_ms"]
+        assert record["ms_per_token"] > 0 and phases["steps"] >= 8, record
+        for name in ("schedule", "launch", "wait", "update", "outputs"):
+            assert phases[name] > 0, (name, record)
+        # Phases never overlap but where nested (a synchronous runner waits
+        # inside its launch): what is left of the wall time cannot be negative.
+        assert phases["other"] >= 0, record
+        if not record["async_scheduling"]:
+            assert phases["wait"] < phases["launch"], record

@@ -9,7 +9,7 @@ import torch
 from tokenloom.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.worker.input_batch import InputBatch
-from tokenloom.worker.step_inputs import build_sampling_metadata, prepare_step
+from tokenloom.worker.step_inputs import build_sampling_metadata, pack, prepare_step, unpack
 
 BLOCK = 4
 VOCAB = 50
@@ -173,6 +173,25 @@ def test_step_inputs_for_mixed_prefill_chunk_and_decode() -> None:
     assert step.block_table.tolist() == [[9, 10, 0], [3, 4, 5], [6, 7, 8]]
     assert step.sample_idx.tolist() == [0, 1]
     assert step.logits_indices.tolist() == [0, 6]
+    assert step.query_start is None and step.kernel_seq_lens is None
+
+    kernel_step = prepare_step(batch, so, kernel_metadata=True)
+    assert kernel_step.query_start is not None and kernel_step.kernel_seq_lens is not None
+    assert kernel_step.query_start.dtype == kernel_step.kernel_seq_lens.dtype == torch.int32
+    assert kernel_step.query_start.tolist() == [0, 1, 7, 12]
+    assert kernel_step.kernel_seq_lens.tolist() == [6, 10, 5]
+
+
+def test_packed_arrays_unpack_to_their_shapes_and_dtype() -> None:
+    """What goes to a GPU in one copy comes back as each array, in its shape."""
+    table = np.arange(6, dtype=np.int32).reshape(2, 3)[:, :2]  # not contiguous
+    starts = np.array([0, 1, 4], dtype=np.int64)
+    lens = np.array([7, 9], dtype=np.int64)
+    packed = torch.from_numpy(pack([table, starts, lens], np.int32))
+    assert packed.dtype == torch.int32
+    views = unpack(packed, [table, starts, lens])
+    assert [v.tolist() for v in views] == [[[0, 1], [3, 4]], [0, 1, 4], [7, 9]]
+    assert all(v.data_ptr() >= packed.data_ptr() for v in views)  # views, no copies
 
 
 def test_step_inputs_with_draft_tokens() -> None:
@@ -244,3 +263,17 @@ def test_sampling_metadata_bans_the_stopping_ids_until_min_tokens() -> None:
     batch.remove_request("c")
     batch.condense()
     assert batch.req_id_to_index == {"a": 0} and batch.stopping_token_ids[0] == (0, 7)
+
+
+def test_plain_rows_follow_their_request_and_skip_the_optional_metadata() -> None:
+    batch = make_batch()
+    add(batch, "gone", 3)
+    add(batch, "plain", 3)
+    add(batch, "asks", 3, logprobs=1)
+    batch.remove_request("gone")
+    batch.condense()  # "asks" moves into slot 0
+    assert batch.plain[: batch.num_reqs].tolist() == [False, True]
+    plain = build_sampling_metadata(batch, np.array([1]), np.array([0]))
+    assert plain.no_penalties and plain.banned_rows is None and plain.num_logprobs is None
+    both = build_sampling_metadata(batch, np.array([0, 1]), np.array([0, 0]))
+    assert both.num_logprobs == [1, -1]

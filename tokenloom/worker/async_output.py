@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tokenloom.outputs import ModelRunnerOutput
+from tokenloom.worker.step_inputs import to_device_packed
 
 
 @dataclass
@@ -39,10 +40,12 @@ class InFlightTokens:
         batch_rows = np.flatnonzero(placeholder)
         if len(batch_rows) == 0:
             return
-        rows = [self.row_of[req_ids[i]] for i in batch_rows.tolist()]
-        device = input_ids.device
-        where = torch.from_numpy(last_token_index[batch_rows]).to(device, non_blocking=True)
-        source = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+        rows = np.fromiter(
+            (self.row_of[req_ids[i]] for i in batch_rows.tolist()), np.int64, len(batch_rows)
+        )
+        where, source = to_device_packed(
+            [last_token_index[batch_rows], rows], np.int64, input_ids.device
+        )
         input_ids.index_copy_(0, where, self.tokens.index_select(0, source))
 
 

@@ -72,6 +72,9 @@ class InputBatch:
         self.repetition_penalty = np.ones(max_num_seqs, dtype=np.float32)
         self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)
         self.min_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        # No penalties, no min_tokens, no logprobs: sampling reads nothing but the
+        # logits and the temperature/top-k/top-p/min-p above.
+        self.plain = np.zeros(max_num_seqs, dtype=bool)
         # The request's stopping token ids within the vocabulary, sorted: banned
         # while fewer than min_tokens outputs exist.
         self.stopping_token_ids: list[tuple[int, ...]] = [()] * max_num_seqs
@@ -150,6 +153,13 @@ class InputBatch:
         self.repetition_penalty[slot] = sp.repetition_penalty
         self.num_logprobs[slot] = -1 if sp.logprobs is None else sp.logprobs
         self.min_tokens[slot] = sp.min_tokens
+        self.plain[slot] = (
+            sp.presence_penalty == 0.0
+            and sp.frequency_penalty == 0.0
+            and sp.repetition_penalty == 1.0
+            and sp.min_tokens == 0
+            and sp.logprobs is None
+        )
         vocab = self.vocab_size
         self.stopping_token_ids[slot] = tuple(sorted(t for t in stopping_token_ids if t < vocab))
         if generator is None and sp.seed is not None and sp.temperature > 0:
@@ -245,6 +255,7 @@ class InputBatch:
             self.repetition_penalty,
             self.num_logprobs,
             self.min_tokens,
+            self.plain,
         ):
             array[dst] = array[src]
         self.sampling_params[dst] = self.sampling_params[src]

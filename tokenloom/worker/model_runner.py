@@ -55,7 +55,6 @@ from tokenloom.worker.step_inputs import (
     apply_deltas,
     build_sampling_metadata,
     prepare_step,
-    to_device,
 )
 
 if TYPE_CHECKING:
@@ -351,7 +350,7 @@ class ModelRunner:
             self.pooler.update_requests(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return self._output([], [], None)
-        step = prepare_step(self.input_batch, scheduler_output)
+        step = prepare_step(self.input_batch, scheduler_output, self.kernel_attention)
         if self._in_flight is not None:
             self._feed_in_flight_tokens(step)
         if self.lora_manager is not None:
@@ -441,11 +440,10 @@ class ModelRunner:
                 self.block_size,
                 native_op=self.native_attention,
             )
-        query_start = np.zeros(len(step.query_lens) + 1, dtype=np.int32)
-        np.cumsum(step.query_lens, out=query_start[1:])
+        assert step.query_start is not None and step.kernel_seq_lens is not None
         return AttentionMetadata.for_kernel(
-            to_device(query_start, self.device),
-            to_device(step.seq_lens.astype(np.int32), self.device),
+            step.query_start,
+            step.kernel_seq_lens,
             step.block_table,
             step.slot_mapping,
             self.block_size,
@@ -531,6 +529,8 @@ class ModelRunner:
     def _needs_history(self, row_slots: np.ndarray) -> bool:
         """Whether sampling these rows reads their earlier output tokens."""
         batch = self.input_batch
+        if batch.plain[row_slots].all():
+            return False
         return bool(
             (batch.repetition_penalty[row_slots] != 1.0).any()
             or (batch.presence_penalty[row_slots] != 0.0).any()

@@ -39,6 +39,10 @@ class StepInputs:
     row_slots: np.ndarray  # [R]
     row_offsets: np.ndarray  # [R] draft index of the row (0 for the first)
     drafts: dict[int, list[int]]  # batch index -> drafts being verified
+    # The Triton kernel's metadata (``prepare_step(kernel_metadata=True)``), on the
+    # model's device: query offsets [B + 1] and ``seq_lens`` as int32.
+    query_start: torch.Tensor | None = None
+    kernel_seq_lens: torch.Tensor | None = None
 
 
 def apply_deltas(
@@ -83,8 +87,13 @@ def apply_deltas(
     batch.condense()
 
 
-def prepare_step(batch: InputBatch, scheduler_output: SchedulerOutput) -> StepInputs:
-    """Flatten the scheduled tokens of ``batch`` (already updated with this step's deltas)."""
+def prepare_step(
+    batch: InputBatch, scheduler_output: SchedulerOutput, kernel_metadata: bool = False
+) -> StepInputs:
+    """Flatten the scheduled tokens of ``batch`` (already updated with this step's
+    deltas); with ``kernel_metadata``, the Triton kernel's int32 metadata too.
+
+    The arrays go to the device in two copies (one per dtype, ``to_device_packed``)."""
     num_scheduled = scheduler_output.num_scheduled_tokens
     index = batch.req_id_to_index
     count = len(num_scheduled)
@@ -144,21 +153,32 @@ def prepare_step(batch: InputBatch, scheduler_output: SchedulerOutput) -> StepIn
     batch_pos = {int(s): i for i, s in enumerate(slots.tolist())} if draft_lists else {}
 
     device = batch.device
+    input_ids_t, positions_t, slot_mapping_t, logits_indices_t = to_device_packed(
+        [input_ids, positions, slot_mapping, logits_indices], np.int64, device
+    )
+    int32 = [table]
+    if kernel_metadata:
+        query_start = np.zeros(count + 1, dtype=np.int32)
+        query_start[1:] = cu_ends
+        int32 += [query_start, seq_lens]
+    table_t, *kernel = to_device_packed(int32, np.int32, device)
     return StepInputs(
         req_ids=req_ids,
         slots=slots,
         query_lens=query_lens,
         seq_lens=seq_lens,
-        input_ids=to_device(input_ids, device),
-        positions=to_device(positions, device),
-        slot_mapping=to_device(slot_mapping, device),
-        block_table=to_device(table, device),
+        input_ids=input_ids_t,
+        positions=positions_t,
+        slot_mapping=slot_mapping_t,
+        block_table=table_t,
         sample_idx=sample_idx,
         rows_per_sample=rows_per_sample,
-        logits_indices=to_device(logits_indices, device),
+        logits_indices=logits_indices_t,
         row_slots=row_slots,
         row_offsets=row_offsets,
         drafts={batch_pos[s]: d for s, d in draft_lists.items()},
+        query_start=kernel[0] if kernel else None,
+        kernel_seq_lens=kernel[1] if kernel else None,
     )
 
 
@@ -200,6 +220,8 @@ def build_sampling_metadata(
                 for row, slot in enumerate(row_slots.tolist())
                 if slot in generators
             }
+    if bool(batch.plain[row_slots].all()):
+        return metadata
 
     num_prompt = batch.num_prompt_tokens[row_slots]
     end = batch.num_tokens[row_slots] + row_offsets  # tokens before the sampled position
@@ -250,3 +272,29 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def to_device_packed(
+    arrays: list[np.ndarray], dtype: type[np.generic], device: torch.device
+) -> list[torch.Tensor]:
+    """``arrays`` as tensors of ``dtype`` on ``device``, each of its own shape. To a
+    GPU they go in one copy (``pack``, then views of it): each copy costs the host
+    a pinned allocation and a launch whatever its size, and a step has several."""
+    if device.type == "cpu":
+        return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
+    return unpack(to_device(pack(arrays, dtype), device), arrays)
+
+
+def pack(arrays: list[np.ndarray], dtype: type[np.generic]) -> np.ndarray:
+    """The arrays' elements, flattened one after the other, as ``dtype``."""
+    return np.concatenate([a.ravel() for a in arrays], dtype=dtype)
+
+
+def unpack(packed: torch.Tensor, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+    """Views of ``packed`` (made by ``pack``) in the shapes of ``arrays``."""
+    views = []
+    at = 0
+    for a in arrays:
+        views.append(packed[at : at + a.size].view(a.shape))
+        at += a.size
+    return views
