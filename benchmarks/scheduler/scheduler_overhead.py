@@ -12,9 +12,8 @@ region. Reports the median of ``--repeats`` runs.
 fcfs, and the table says so); ``--tenants K`` spreads the requests round
 robin over K tenants with weights 1..K, or all 1 with ``--equal-weights``
 (trees without tenants ignore it). With weights 1..K the fair policy admits
-the requests in another order than they were made, and a step that visits
-them in that order misses the CPU caches more often at large N: equal
-weights keep the order and leave the policy's own cost.
+the requests in another order than they were made (it still walks them in
+arrival order, as FCFS does); equal weights keep the admission order too.
 
 ``--compare TREE`` measures another checkout (e.g. a git worktree of an older
 commit) against this one in one invocation. Each round is one fresh subprocess

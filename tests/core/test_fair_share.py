@@ -59,7 +59,7 @@ def test_fair_queue_pop_prepend_remove() -> None:
     b0 = make_request("b0", 4, tenant="B")
     queue = _queue(fair, a0, a1, b0)
     assert queue.pop() is a0
-    fair.admitted(a0, 4)  # A is now ahead: B's head comes first
+    fair.admitted(a0, 4, [])  # A is now ahead: B's head comes first
     assert queue.peek() is b0
     queue.prepend(a0)  # preempted: back in front of its tenant's queue
     assert [r.request_id for r in queue] == ["b0", "a0", "a1"]
@@ -77,7 +77,7 @@ def test_idle_tenant_returns_at_most_burst_tokens_ahead() -> None:
     fair = FairShare(burst_tokens=100)
     busy = make_request("busy", 4, tenant="A")
     fair.join(busy)
-    fair.admitted(busy, 0)
+    fair.admitted(busy, 0, [])
     fair.charge_step(None, 10_000)  # A served alone for a long time
     idle = make_request("idle", 4, tenant="B", tenant_weight=4.0)
     fair.join(idle)
@@ -225,8 +225,53 @@ def test_one_tenant_fair_is_fcfs() -> None:
         outputs[policy] = trace
         assert_no_leaks(h.scheduler)
     assert outputs["fair"] == outputs["fcfs"]
+    # FCFS's victim is the last admitted, wherever its arrival put it in ``running``.
     fair = FairShare(burst_tokens=0)
-    assert fair.pick_victim([make_request("x", 4), make_request("y", 4)]) == 1
+    x, y = make_request("x", 4, tenant="T"), make_request("y", 4, tenant="T")
+    running: list[Request] = []
+    for request in (y, x):
+        fair.join(request)
+        fair.admitted(request, 4, running)
+    assert running == [x, y] and fair.pick_victim(running) == 0
+
+
+def test_running_requests_stay_in_arrival_order() -> None:
+    """Weights 1 and 3 interleave the admissions (B's requests first), yet the
+    running list keeps the order the requests arrived in, and a preempted
+    request resumes in its place."""
+    h = Harness(make_scheduler(policy="fair", max_num_seqs=6, block_size=4, num_blocks=40))
+    h.add(*(make_request(f"a{i}", 8, max_tokens=20, tenant="A") for i in range(4)))
+    h.add(
+        *(make_request(f"b{i}", 8, max_tokens=20, tenant="B", tenant_weight=3.0) for i in range(4))
+    )
+    so = h.step()
+    admitted = [new.req_id for new in so.scheduled_new_reqs]
+    assert admitted[:4] == ["a0", "b0", "b1", "b2"]  # B is charged a third per token
+    arrived = ["a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3"]
+    assert [r.request_id for r in h.scheduler.running] == [r for r in arrived if r in admitted]
+    preempted: set[str] = set()
+    while h.scheduler.has_requests():
+        so = h.step()
+        preempted |= so.preempted_req_ids
+        arrivals = [r.arrival_time for r in h.scheduler.running]
+        assert arrivals == sorted(arrivals)
+    assert preempted  # the blocks ran out: victims left and came back in their places
+    assert_no_leaks(h.scheduler)
+
+
+def test_reclaimed_seat_is_the_tenants_latest_admission_not_its_last_in_running() -> None:
+    fair = FairShare(burst_tokens=100)  # B joins behind A in virtual time
+    a0, a1 = make_request("a0", 4, tenant="A"), make_request("a1", 4, tenant="A")
+    b0 = make_request("b0", 4, tenant="B")
+    running: list[Request] = []
+    for request in (a1, a0):  # a0 (say, preempted and resumed) was admitted last
+        fair.join(request)
+        fair.admitted(request, 4, running)
+    fair.join(b0)
+    assert running == [a0, a1]
+    assert fair.reclaim_victim(b0, running, candidates=2) == 0
+    # Requests admitted in this step are not candidates: a0 stays, a1 gives way.
+    assert fair.reclaim_victim(b0, running, candidates=1) == 1
 
 
 def test_tenants_books_follow_aborts_and_finishes() -> None:

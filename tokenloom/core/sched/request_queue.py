@@ -55,8 +55,9 @@ class RequestQueue(ABC):
         return len(self) > 0
 
     def pick_victim(self, running: list[Request]) -> int:
-        """Index in ``running`` (admission order) of the request to preempt when blocks
-        run out: by default the last admitted."""
+        """Index in ``running`` of the request to preempt when blocks run out: by
+        default the last one (``running`` is in admission order but under the fair
+        policy, which keeps it in arrival order and picks by its own rule)."""
         return len(running) - 1
 
     def reclaim_victim(

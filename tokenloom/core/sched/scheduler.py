@@ -2,7 +2,8 @@
 
 There is no prefill or decode phase: each step every request gets the tokens
 that bring ``num_computed_tokens`` up to ``num_tokens`` (plus draft tokens),
-RUNNING requests first in admission order, then WAITING ones in queue order,
+RUNNING requests first in admission order (arrival order under the fair
+policy), then WAITING ones in queue order,
 within one token budget (``max_num_batched_tokens``) and ``max_num_seqs``.
 When the KV cache runs out while scheduling a running request, the
 lowest-priority running request is preempted (its blocks are freed and it is
@@ -65,9 +66,12 @@ Other choices worth knowing:
   preemption victims. Under the fair policy (``fair_share.py``) every
   scheduled token is charged to its request's tenant; while another tenant
   waits, a tenant's prefill chunks are capped at its weight's share of the
-  step's budget; and one waiting request per step may take the seat of a
+  step's budget; one waiting request per step may take the seat of a
   tenant holding more than its share of the batch (that tenant's latest
-  request is preempted, in the same step, and not resumed in it).
+  request is preempted, in the same step, and not resumed in it); and the
+  running list is kept in arrival order (so a step walks the requests
+  roughly in the order they were made, as under FCFS; the policy picks its
+  victims from its own books, not from the list's order).
 * With a KV connector (``kv_connector``, see ``tokenloom.kv_transfer.base``)
   a waiting request may find more of its prefix in the connector's store:
   loaded asynchronously, it waits as ``WAITING_FOR_REMOTE_KVS`` with its
@@ -688,9 +692,10 @@ class Scheduler(SchedulerInterface):
                 self._claim_encoder_inputs(step, request, encoder_inputs, encoder_tokens)
                 mm_scheduled.append(request)
             waiting.pop()
-            running.append(request)
-            if fair is not None:
-                fair.admitted(request, num_new)
+            if fair is None:
+                running.append(request)
+            else:
+                fair.admitted(request, num_new, running)  # in arrival order
             if lora_id:
                 adapters.add(lora_id)
             req_id = request.request_id
