@@ -273,7 +273,7 @@ DENSE_SHAPES = {
 }
 
 
-def dense_cases(dtypes: list[str]) -> dict[str, Case]:
+def dense_cases(dtypes: list[str], row_counts: list[int]) -> dict[str, Case]:
     """Both models' matrices at 1 to 2,048 rows (the 1B's to 512, the heads to
     128: a step computes logits for its sampled rows only), random weights in
     panels (``model.panel_linear``), and the MLP's activation from gate_up."""
@@ -288,7 +288,7 @@ def dense_cases(dtypes: list[str]) -> dict[str, Case]:
                     torch.randn(n, k, generator=generator).div_(k**0.5).to(getattr(torch, dtype))
                 )
                 args = (pack_panels(weight), k, n)
-                for rows in (2048, 512, 128, 16, 1):
+                for rows in row_counts:
                     if rows > (128 if name == "head" else 512 if model == "1B" else 2048):
                         continue
                     x = torch.randn(rows, k, generator=generator)
@@ -333,6 +333,13 @@ def main() -> None:
         default=["bfloat16", "float32"],
         help="the dense kernel's weight dtypes",
     )
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        type=int,
+        default=[2048, 512, 128, 16, 1],
+        help="the dense kernel's activation row counts",
+    )
     args = parser.parse_args()
     print(f"threads {torch.get_num_threads()}; base {args.base} against the working tree")
     print("| case | base ms | work ms | base / work | same outputs |\n|---|---:|---:|---:|---|")
@@ -341,7 +348,7 @@ def main() -> None:
         if kernel == "attention":
             cases = attention_cases(args.layers)
         elif kernel == "dense":
-            cases = dense_cases(args.dtypes)
+            cases = dense_cases(args.dtypes, args.rows)
         else:
             cases = quant_cases()
         times: dict[str, list[list[float]]] = {name: [[], []] for name in cases}

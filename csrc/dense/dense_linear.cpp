@@ -21,11 +21,16 @@
 //   weights stay 16-bit in memory, where a batch-1 step reads them.
 // - float32: one FMA per word.
 //
-// A tile is kTileM activation rows by two vectors of output rows (two panels
-// with AVX-512, one panel's two halves with AVX2), accumulated in registers
-// over every word of K. Every row count runs this one loop, each activation
-// row with its own accumulators over the words in order: a row's result
-// depends neither on the rows beside it nor on the thread count.
+// A tile is up to kTileM activation rows by two vectors of output rows (two
+// panels with AVX-512, one panel's two halves with AVX2), accumulated in
+// registers over every word of K. With few rows (a decode step) a tile is
+// four vectors by at most kTileM / 2 rows instead: each accumulator is one
+// dependent chain of multiply-adds, and two chains a row leave the FMA or
+// `vdpbf16ps` pipes waiting on their latency rather than on the weights.
+// Every shape runs the same per-lane loop, each activation row and output
+// row with its own accumulator over the words in order: a row's result
+// depends neither on the rows beside it, nor on the tile's width, nor on the
+// thread count.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -48,6 +53,7 @@ constexpr int64_t kPanel = 16;                      // output rows per panel
 constexpr int64_t kWordBytes = 4;                   // bytes of one row per word
 constexpr int64_t kWordStep = kPanel * kWordBytes;  // one word of a panel's rows
 constexpr int kVecsPerUnit = 2;                     // output vectors per tile
+constexpr int kWideVecsPerUnit = 4;                 // the same with few rows
 // As in the quantized kernel: a batch-1 step streams each matrix from L3 or
 // DRAM once, and the hardware prefetcher restarts at every 4 KB page.
 constexpr int64_t kPrefetchBytes = 4096;
@@ -100,7 +106,7 @@ enum class Kind { kFloat32, kBf16Widened, kBf16Dot };
 
 constexpr Kind bf16_kind() { return TL_BF16_DOT ? Kind::kBf16Dot : Kind::kBf16Widened; }
 
-// out[(r * kVecsPerUnit + j) * kRowsPerVec + i], for activation rows r < MR
+// out[(r * NV + j) * kRowsPerVec + i], for activation rows r < MR
 // and lane i of the NV output vectors at w[j]: the products over `words`
 // words. x holds the MR rows x_stride elements apart: float32 (two columns a
 // word for kBf16Widened) or, for kBf16Dot, bfloat16 pairs (one int32 a word).
@@ -153,19 +159,21 @@ __attribute__((noinline)) void dense_tile(const uint8_t* const* w, int64_t words
     }
   }
   for (int r = 0; r < MR; ++r) {
-    for (int j = 0; j < NV; ++j) store_f(out + (r * kVecsPerUnit + j) * kRowsPerVec, acc[r][j]);
+    for (int j = 0; j < NV; ++j) store_f(out + (r * NV + j) * kRowsPerVec, acc[r][j]);
   }
 }
 
-// dense_tile for `rows` (1 to kTileM) activation rows.
-template <Kind K, int NV, int MR = kTileM>
-void any_tile(int64_t rows, const uint8_t* const* w, int64_t words, const void* x,
+// dense_tile for `rows` (1 to MR) activation rows and `nv` (1 to NV) vectors.
+template <Kind K, int NV, int MR>
+void any_tile(int64_t rows, int64_t nv, const uint8_t* const* w, int64_t words, const void* x,
               int64_t x_stride, float* out) {
-  if constexpr (MR > 0) {
-    if (rows == MR) {
+  if constexpr (NV > 0 && MR > 0) {
+    if (nv < NV) {
+      any_tile<K, NV - 1, MR>(rows, nv, w, words, x, x_stride, out);
+    } else if (rows == MR) {
       dense_tile<K, MR, NV>(w, words, x, x_stride, out);
     } else {
-      any_tile<K, NV, MR - 1>(rows, w, words, x, x_stride, out);
+      any_tile<K, NV, MR - 1>(rows, nv, w, words, x, x_stride, out);
     }
   }
 }
@@ -227,51 +235,78 @@ inline void silu_lanes(const float* gate, const float* up, float* out, int64_t c
   std::copy(o, o + count, out);
 }
 
-// y [rows, n_out] (or [rows, n_out / 2] with silu_pairs) from the panels.
-// A unit is kVecsPerUnit output vectors: consecutive ones, or with silu_pairs
-// one vector of the gate half and the same vector of the up half, whose
-// product the tile's epilogue writes.
-template <Kind K>
+// y [rows, n_out] (or [rows, n_out / 2] with silu_pairs) from the panels,
+// in tiles of at most TileM rows by NVU output vectors. A unit is NVU output
+// vectors: consecutive ones, or with silu_pairs NVU / 2 consecutive vectors
+// of the gate half and the same vectors of the up half, whose products the
+// tile's epilogue writes.
+template <Kind K, int NVU, int TileM>
 void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const DenseActs& a,
                 int64_t rows, float* y, bool silu_pairs) {
+  constexpr int kHalf = NVU / 2;
   const int64_t vecs = (n_out + kRowsPerVec - 1) / kRowsPerVec;
   const int64_t half_vecs = n_out / 2 / kRowsPerVec;
-  const int64_t units = silu_pairs ? half_vecs : (vecs + kVecsPerUnit - 1) / kVecsPerUnit;
+  const int64_t units = silu_pairs ? half_vecs / kHalf : (vecs + NVU - 1) / NVU;
   const int64_t out_cols = silu_pairs ? n_out / 2 : n_out;
   const int64_t panel_bytes = words * kWordStep;
   const auto vec_at = [&](int64_t v) {
     return panels + (v * kRowsPerVec / kPanel) * panel_bytes + (v * kRowsPerVec % kPanel) * kWordBytes;
   };
-  const int64_t unit_bytes = panel_bytes * kVecsPerUnit * kRowsPerVec / kPanel;
-  const int64_t tile_bytes = kTileM * words * kWordBytes * (K == Kind::kBf16Dot ? 1 : 2);
-  run_panel_tiles(units, rows, kTileM, unit_bytes, tile_bytes, [&](int64_t u, int64_t m, int64_t tile_rows) {
-    alignas(64) float out[kTileM * kVecsPerUnit * kRowsPerVec];
+  const int64_t unit_bytes = panel_bytes * NVU * kRowsPerVec / kPanel;
+  const int64_t tile_bytes = TileM * words * kWordBytes * (K == Kind::kBf16Dot ? 1 : 2);
+  run_panel_tiles(units, rows, TileM, unit_bytes, tile_bytes, [&](int64_t u, int64_t m, int64_t tile_rows) {
+    alignas(64) float out[TileM * NVU * kRowsPerVec];
     const void* x = static_cast<const char*>(a.data) +
                     m * a.stride * (K == Kind::kBf16Dot ? sizeof(int32_t) : sizeof(float));
-    const uint8_t* w[kVecsPerUnit];
+    const uint8_t* w[NVU];
     if (silu_pairs) {
-      w[0] = vec_at(u);
-      w[1] = vec_at(u + half_vecs);
-      any_tile<K, 2>(tile_rows, w, words, x, a.stride, out);
+      for (int j = 0; j < kHalf; ++j) {
+        w[j] = vec_at(u * kHalf + j);
+        w[kHalf + j] = vec_at(u * kHalf + j + half_vecs);
+      }
+      any_tile<K, NVU, TileM>(tile_rows, NVU, w, words, x, a.stride, out);
       for (int64_t r = 0; r < tile_rows; ++r) {
-        const float* o = out + r * kVecsPerUnit * kRowsPerVec;
-        silu_lanes(o, o + kRowsPerVec, y + (m + r) * out_cols + u * kRowsPerVec, kRowsPerVec);
+        const float* o = out + r * NVU * kRowsPerVec;
+        for (int j = 0; j < kHalf; ++j) {
+          silu_lanes(o + j * kRowsPerVec, o + (kHalf + j) * kRowsPerVec,
+                     y + (m + r) * out_cols + (u * kHalf + j) * kRowsPerVec, kRowsPerVec);
+        }
       }
       return;
     }
-    const int64_t v0 = u * kVecsPerUnit, nv = std::min<int64_t>(kVecsPerUnit, vecs - v0);
+    const int64_t v0 = u * NVU, nv = std::min<int64_t>(NVU, vecs - v0);
     for (int64_t j = 0; j < nv; ++j) w[j] = vec_at(v0 + j);
-    if (nv == 2) {
-      any_tile<K, 2>(tile_rows, w, words, x, a.stride, out);
-    } else {
-      any_tile<K, 1>(tile_rows, w, words, x, a.stride, out);
-    }
+    any_tile<K, NVU, TileM>(tile_rows, nv, w, words, x, a.stride, out);
     const int64_t n0 = v0 * kRowsPerVec, count = std::min(nv * kRowsPerVec, n_out - n0);
     for (int64_t r = 0; r < tile_rows; ++r) {
-      std::memcpy(y + (m + r) * out_cols + n0, out + r * kVecsPerUnit * kRowsPerVec,
-                  count * sizeof(float));
+      std::memcpy(y + (m + r) * out_cols + n0, out + r * nv * kRowsPerVec, count * sizeof(float));
     }
   });
+}
+
+// Output vectors the busiest thread computes with units of `per_unit` vectors
+// (few rows: the units are split into one contiguous run per thread).
+inline int64_t busiest_vecs(int64_t vecs, int64_t per_unit) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t units = (vecs + per_unit - 1) / per_unit;
+  return (units + threads - 1) / threads * per_unit;
+}
+
+// dense_gemm with the tile shape for `rows`: wide units with few rows where
+// every unit still splits evenly into gate and up vectors, and the threads'
+// shares stay as even as with narrow units (a small matrix has few units).
+template <Kind K>
+void dense_gemm_any(const uint8_t* panels, int64_t words, int64_t n_out, const DenseActs& a,
+                    int64_t rows, float* y, bool silu_pairs) {
+  const int64_t vecs = (n_out + kRowsPerVec - 1) / kRowsPerVec;
+  const bool wide = rows <= kTileM / 2 &&
+                    (!silu_pairs || n_out / 2 / kRowsPerVec % (kWideVecsPerUnit / 2) == 0) &&
+                    busiest_vecs(vecs, kWideVecsPerUnit) <= busiest_vecs(vecs, kVecsPerUnit);
+  if (wide) {
+    dense_gemm<K, kWideVecsPerUnit, kTileM / 2>(panels, words, n_out, a, rows, y, silu_pairs);
+  } else {
+    dense_gemm<K, kVecsPerUnit, kTileM>(panels, words, n_out, a, rows, y, silu_pairs);
+  }
 }
 
 }  // namespace
@@ -313,10 +348,10 @@ at::Tensor DenseMatrix::apply(const at::Tensor& x, bool silu_pairs) const {
   float* y = out.data_ptr<float>();
   if (panels_.scalar_type() == at::kFloat) {
     const DenseActs acts(xc, Kind::kFloat32, words_);
-    dense_gemm<Kind::kFloat32>(panels, words_, n_out_, acts, rows, y, silu_pairs);
+    dense_gemm_any<Kind::kFloat32>(panels, words_, n_out_, acts, rows, y, silu_pairs);
   } else {
     const DenseActs acts(xc, bf16_kind(), words_);
-    dense_gemm<bf16_kind()>(panels, words_, n_out_, acts, rows, y, silu_pairs);
+    dense_gemm_any<bf16_kind()>(panels, words_, n_out_, acts, rows, y, silu_pairs);
   }
   return out;
 }

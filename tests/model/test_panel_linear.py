@@ -122,6 +122,33 @@ def test_a_row_does_not_depend_on_the_batch_or_the_threads(dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_few_rows_in_wide_tiles_sum_as_many_rows_do(dtype: torch.dtype) -> None:
+    """A decode's few rows run in tiles of more output vectors (on one thread the
+    kernel takes them whatever the core count): each row equals the same row among
+    many, plainly and with the fused activation, a partial last tile included."""
+    k = 77
+    x = torch.randn(24, k, generator=torch.Generator().manual_seed(2))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for n in (128, 136):
+            w = pack_panels(weight(n, k, dtype))
+            many = torch.ops.tokenloom_cpu.dense_linear(x, w, k, n)
+            for rows in range(1, 9):
+                assert torch.equal(
+                    torch.ops.tokenloom_cpu.dense_linear(x[:rows], w, k, n), many[:rows]
+                )
+        w = pack_panels(weight(128, k, dtype))
+        many = torch.ops.tokenloom_cpu.dense_linear_silu(x, w, k, 128)
+        for rows in range(1, 9):
+            assert torch.equal(
+                torch.ops.tokenloom_cpu.dense_linear_silu(x[:rows], w, k, 128), many[:rows]
+            )
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 5, 130])
 def test_the_fused_activation_equals_projection_then_silu(dtype: torch.dtype, rows: int) -> None:
     n, k = 96, 40  # each half three panels
