@@ -428,12 +428,18 @@ def _tenant_of(lease: TenantLease | None) -> tuple[str, float]:
     return lease.tenant.name, lease.tenant.weight
 
 
+# Characters JSON leaves raw but line splitters built on str.splitlines (httpx's
+# aiter_lines, for one) end a line at: escaped, so an event's data stays one line.
+_LINE_BREAKING = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: BaseModel | dict[str, Any], *, drop: Sequence[str] = ()) -> str:
     """One server-sent event holding ``payload`` as JSON, without the ``drop`` keys."""
     data = payload.model_dump() if isinstance(payload, BaseModel) else payload
     for key in drop:
         data.pop(key, None)
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    text = json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKING)
+    return f"data: {text}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
