@@ -110,5 +110,6 @@ setup(
         "jsonschema>=4.20",
         "pyyaml>=6.0",  # --tenants files in YAML
         "pillow>=10.0",  # images in prompts (chat image parts, multi_modal_data)
+        "xxhash>=3.0",  # the disk KV tier's block checksums
     ],
 )

@@ -51,7 +51,10 @@ def test_file_check_names_what_is_wrong() -> None:
 
     def reason(data: bytes, spec: KVCacheSpec = SPEC, want: str = key) -> str | None:
         view = memoryview(data)
-        return check(spec, want, bytes(view[:HEADER_BYTES]), view[HEADER_BYTES:], len(data))
+        payload = view[HEADER_BYTES:]
+        # The payload in two parts, as a block's layer slabs are read.
+        parts = [payload[: len(payload) // 2], payload[len(payload) // 2 :]]
+        return check(spec, want, bytes(view[:HEADER_BYTES]), parts, len(data))
 
     assert reason(good) is None
     assert reason(good[:-1]) == "truncated"
@@ -63,6 +66,9 @@ def test_file_check_names_what_is_wrong() -> None:
     assert reason(good, OTHER) == "foreign"
     assert reason(good, want=keys_of([5, 6, 7, 8])[0]) == "corrupt"
     assert reason(b"JUNK" + good[4:]) == "corrupt"
+    older = bytearray(good)
+    older[4] = 1  # the version: a file of the earlier CRC-32 format
+    assert reason(bytes(older)) == "foreign"
 
 
 def put(index: DiskTierIndex, key: str) -> list[str]:

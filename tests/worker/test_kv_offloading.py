@@ -341,7 +341,7 @@ def test_the_fingerprint_names_the_weights_dtypes_and_layout(tmp_path: Path) -> 
     assert len({base, *others}) == len(others) + 1
 
 
-@pytest.mark.parametrize("failing", ["gather", "scatter"])
+@pytest.mark.parametrize("failing", ["gather", "block_views"])
 def test_a_failing_copy_means_a_recompute_not_a_hang(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
 ) -> None:
@@ -363,7 +363,7 @@ def test_a_failing_copy_means_a_recompute_not_a_hang(
     engine.add(shared_prompt_requests(prefix, 1, "b")[0])
     engine.run(max_steps=500)
     assert len(engine.tokens["b0"]) == 3
-    if failing == "scatter":
+    if failing == "block_views":
         assert engine.stats.num_hit_tokens == 0
         assert engine.stats.num_recomputed_tokens == 8 * BLOCK
         assert engine.stats.errors == {"load_error": 1}
@@ -371,7 +371,7 @@ def test_a_failing_copy_means_a_recompute_not_a_hang(
         assert engine.stats.num_hit_tokens == 8 * BLOCK
         assert engine.stats.errors == {"save_error": 1}  # "new"'s saves
     engine.settle()
-    if failing == "scatter":  # the files were dropped, and written again
+    if failing == "block_views":  # the files were dropped, and written again
         assert len(engine.connector.index.stored) == 9
     assert_no_leaks(engine.scheduler)
     engine.close()

@@ -3,10 +3,12 @@
 A file is a 64-byte header, then the block's bytes, layer by layer, K then V
 (each ``KVCacheSpec.layer_bytes``). The header names the format, the KV
 cache's fingerprint, the block's key, the layout (block size, layers, bytes
-per layer) and the payload's CRC-32. A file is loaded only when all of them
-match what the reader expects and the payload is whole; otherwise ``check``
-says why (``truncated``, ``corrupt``, ``foreign``: written for another model,
-dtype or layout), and the block is recomputed.
+per layer) and the payload's checksum (XXH3-64: a restarted server checks
+every byte it loads, and a CRC-32 there cost more than reading the files).
+A file is loaded only when all of them match what the reader expects and
+the payload is whole; otherwise ``check`` says why (``truncated``,
+``corrupt``, ``foreign``: written for another model, dtype, layout or file
+format version), and the block is recomputed.
 
 Files live at ``<dir>/blocks/<first two hex digits>/<key>``; a writer puts a
 file in place with one rename, so a reader never sees half a file under
@@ -16,16 +18,18 @@ its name (a crash leaves at most a temporary file in ``<dir>/tmp``).
 from __future__ import annotations
 
 import struct
-import zlib
+from collections.abc import Sequence
 from pathlib import Path
+
+import xxhash
 
 from tokenloom.kv_transfer.base import KVCacheSpec
 from tokenloom.kv_transfer.keys import KEY_BYTES
 
 MAGIC = b"TLKV"
-VERSION = 1
-# magic, version, reserved, fingerprint, key, block size, layers, layer bytes, crc32.
-_HEADER = struct.Struct("<4sHH16s16sIIQI4x")
+VERSION = 2
+# magic, version, reserved, fingerprint, key, block size, layers, layer bytes, checksum.
+_HEADER = struct.Struct("<4sHH16s16sIIQQ")
 HEADER_BYTES = _HEADER.size
 BLOCKS_DIR = "blocks"
 TMP_DIR = "tmp"
@@ -40,6 +44,15 @@ def file_bytes(spec: KVCacheSpec) -> int:
     return HEADER_BYTES + spec.bytes_per_block
 
 
+def checksum(parts: Sequence[memoryview | bytes]) -> int:
+    """XXH3-64 of the payload given as consecutive ``parts`` (a block's layer slabs,
+    read straight into the KV cache, need not be one buffer)."""
+    state = xxhash.xxh3_64()
+    for part in parts:
+        state.update(part)
+    return state.intdigest()
+
+
 def header(spec: KVCacheSpec, key: str, payload: memoryview | bytes) -> bytes:
     return _HEADER.pack(
         MAGIC,
@@ -50,22 +63,29 @@ def header(spec: KVCacheSpec, key: str, payload: memoryview | bytes) -> bytes:
         spec.block_size,
         spec.num_layers,
         spec.layer_bytes,
-        zlib.crc32(payload),
+        checksum([payload]),
     )
 
 
 def check(
-    spec: KVCacheSpec, key: str, head: bytes, payload: memoryview, file_size: int
+    spec: KVCacheSpec,
+    key: str,
+    head: bytes,
+    parts: Sequence[memoryview | bytes],
+    file_size: int,
 ) -> str | None:
-    """None if a file of ``file_size`` bytes starting with ``head`` (its header) and
-    ``payload`` holds block ``key`` of this KV cache, else why not."""
+    """None if a file of ``file_size`` bytes starting with ``head`` (its header),
+    whose payload was read into ``parts``, holds block ``key`` of this KV cache,
+    else why not."""
     if len(head) < HEADER_BYTES:
         return "truncated"
-    magic, version, _, fingerprint, file_key, block_size, layers, layer_bytes, crc = (
+    magic, version, _, fingerprint, file_key, block_size, layers, layer_bytes, digest = (
         _HEADER.unpack_from(head)
     )
-    if magic != MAGIC or version != VERSION:
+    if magic != MAGIC:
         return "corrupt"
+    if version != VERSION:
+        return "foreign"
     if fingerprint != bytes.fromhex(spec.fingerprint)[:KEY_BYTES] or (
         block_size,
         layers,
@@ -77,6 +97,6 @@ def check(
     expected = HEADER_BYTES + spec.bytes_per_block
     if file_size != expected:
         return "truncated" if file_size < expected else "corrupt"
-    if zlib.crc32(payload) != crc:
+    if checksum(parts) != digest:
         return "corrupt"
     return None

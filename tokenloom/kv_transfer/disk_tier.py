@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import IO
 
 from tokenloom.kv_transfer.base import KVCacheSpec
-from tokenloom.kv_transfer.block_file import BLOCKS_DIR, TMP_DIR, block_path
+from tokenloom.kv_transfer.block_file import BLOCKS_DIR, TMP_DIR, VERSION, block_path
 
 logger = logging.getLogger(__name__)
 
 MANIFEST = "tier.json"
-_FORMAT = 1
+_FORMAT = VERSION
 
 
 class DiskTierIndex:

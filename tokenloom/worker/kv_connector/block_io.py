@@ -25,6 +25,21 @@ class KVBlockIO:
                 raise ValueError("KV cache tensors must be contiguous with equal block slabs")
         self.num_layers = len(kv_caches)
         self.block_bytes = len(self.tensors) * self.layer_bytes
+        # Byte views of the CPU cache tensors, so a block's file can be read
+        # straight into its slabs (``block_views``) with no copy after the read.
+        self._flat: list[memoryview] | None = None
+        self.in_host_memory = first.device.type == "cpu"
+        if self.in_host_memory:
+            self._flat = [t.view(torch.uint8).reshape(-1).numpy().data for t in self.tensors]
+
+    def block_views(self, block_id: int) -> list[memoryview] | None:
+        """Writable views of the block's slabs in payload order (layer by layer, K
+        then V), or None where the cache is not in host memory."""
+        if self._flat is None:
+            return None
+        start = block_id * self.layer_bytes
+        end = start + self.layer_bytes
+        return [flat[start:end] for flat in self._flat]
 
     def gather(self, block_ids: list[int]) -> torch.Tensor:
         """``[len(block_ids), block_bytes]`` uint8 on the CPU: the blocks' bytes."""

@@ -4,8 +4,11 @@ Two background threads, so the step never waits on the disk: the saver
 copies the blocks a step asked to save out of the KV cache (one batched
 gather) and writes one file each, through a temporary file and a rename; the
 loader reads a request's files, checks each (``block_file.check``) and copies
-the good ones into the request's blocks (one batched scatter), stopping at
-the first bad one. A bad file (corrupt, truncated, written for another
+the good ones into the request's blocks, stopping at the first bad one. With
+the KV cache in host memory each file is read straight into its block's
+slabs (one ``preadv``, no copy after it; a block whose check then fails is
+reported invalid like any other); elsewhere the files are read into one
+staging buffer and copied in with one batched scatter. A bad file (corrupt, truncated, written for another
 model, gone) is logged, counted, deleted and its block reported invalid, so
 the scheduler recomputes it; a full disk fails the save, and the index
 shrinks its budget.
@@ -202,17 +205,23 @@ class OffloadingWorker(KVConnectorWorker):
 
     def _load(self, req_id: str, pairs: list[tuple[int, str]]) -> None:
         started = time.perf_counter()
-        data = torch.empty((len(pairs), self.io.block_bytes), dtype=torch.uint8)
-        rows = data.numpy()
+        data = None
+        if not self.io.in_host_memory:
+            data = torch.empty((len(pairs), self.io.block_bytes), dtype=torch.uint8)
         block_ids = [block_id for block_id, _ in pairs]
         num_good = num_loaded = 0
         completed = False
         bad: list[str] = []
         errors: dict[str, int] = {}
         try:
-            for j, (_, key) in enumerate(pairs):
+            for j, (block_id, key) in enumerate(pairs):
                 path = block_path(self.root, key)
-                reason = self._read(path, key, rows[j])
+                if data is None:
+                    parts = self.io.block_views(block_id)
+                    assert parts is not None
+                else:
+                    parts = [data[j].numpy().data]
+                reason = self._read(path, key, parts)
                 if reason is not None:
                     logger.warning(
                         "disk KV tier: block file %s is %s; the block is recomputed", path, reason
@@ -222,9 +231,9 @@ class OffloadingWorker(KVConnectorWorker):
                     path.unlink(missing_ok=True)
                     break
                 num_good += 1
-            if num_good:
+            if num_good and data is not None:
                 self.io.scatter(block_ids[:num_good], data[:num_good])
-                num_loaded = num_good
+            num_loaded = num_good
             completed = True
         finally:
             # Even after an unexpected error the request must not wait for ever: what
@@ -247,24 +256,25 @@ class OffloadingWorker(KVConnectorWorker):
                 for reason, count in errors.items():
                     stats.errors[reason] = stats.errors.get(reason, 0) + count
 
-    def _read(self, path: Path, key: str, row: Any) -> str | None:
-        """Read block ``key``'s file into ``row``; None if it is good, else why not."""
+    def _read(self, path: Path, key: str, parts: list[memoryview]) -> str | None:
+        """Read block ``key``'s file, its payload into ``parts`` (consecutive buffers
+        of ``bytes_per_block`` in all); None if it is good, else why not."""
+        head = bytearray(HEADER_BYTES)
         try:
-            with open(path, "rb", buffering=0) as f:
-                head = f.read(HEADER_BYTES)
-                view = memoryview(row)
-                size = 0
-                while size < len(view):
-                    n = f.readinto(view[size:])
-                    if not n:
-                        break
-                    size += n
-                extra = len(f.read(1))
-            # Loaded blocks count as used: the LRU order survives restarts.
-            os.utime(path)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return "missing"
         except OSError as exc:
             logger.warning("disk KV tier: cannot read %s: %s", path, exc)
             return "read_error"
-        return check(self.spec, key, head, view[:size], len(head) + size + extra)
+        try:
+            file_size = os.fstat(fd).st_size
+            size = os.preadv(fd, [head, *parts], 0)
+            # Loaded blocks count as used: the LRU order survives restarts.
+            os.utime(fd)
+        except OSError as exc:
+            logger.warning("disk KV tier: cannot read %s: %s", path, exc)
+            return "read_error"
+        finally:
+            os.close(fd)
+        return check(self.spec, key, bytes(head[:size]), parts, file_size)
