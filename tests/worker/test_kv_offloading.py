@@ -234,6 +234,33 @@ def test_a_bad_file_is_recomputed_never_served(tmp_path: Path, damage: str) -> N
     second.close()
 
 
+@pytest.mark.parametrize("damaged", [[15], [3, 15]])
+def test_a_load_split_over_two_readers_stops_at_its_first_bad_file(
+    tmp_path: Path, damaged: list[int]
+) -> None:
+    """24 blocks load as two halves of 12 on two threads: the hit ends at the first
+    bad file whichever half holds it, and every bad file is deleted and counted."""
+    prefix = list(range(4000, 4096))
+    first = save_on_disk(tmp_path, prefix)
+    keys = first.connector._track(shared_prompt_requests(prefix, 1, "x")[0]).keys.extend(
+        prefix, BLOCK
+    )
+    second = Engine(tmp_path, num_blocks=64)
+    for i in damaged:
+        path = block_path(tmp_path, keys[i])
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0x40
+        path.write_bytes(bytes(data))
+    second.add(shared_prompt_requests(prefix, 1, "b")[0])
+    second.run()
+    assert second.stats.num_hit_tokens == damaged[0] * BLOCK
+    assert second.stats.num_recomputed_tokens == (24 - damaged[0]) * BLOCK
+    assert second.stats.errors == {"corrupt": len(damaged)}
+    second.settle()
+    assert_no_leaks(second.scheduler)
+    second.close()
+
+
 def test_a_full_disk_fails_saves_and_shrinks_the_budget(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -26,6 +26,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,9 @@ from tokenloom.worker.kv_connector.block_io import KVBlockIO
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+# A load of at least this many blocks reads its second half on another thread:
+# the engine has nothing else to do while the request waits for it.
+_SPLIT_BLOCKS = 16
 
 
 class OffloadingWorker(KVConnectorWorker):
@@ -77,6 +81,7 @@ class OffloadingWorker(KVConnectorWorker):
         ]
         for thread in self._threads:
             thread.start()
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-load-2")
 
     # ------------------------------------------------------------------ the step
 
@@ -118,6 +123,7 @@ class OffloadingWorker(KVConnectorWorker):
             jobs.put(_STOP)
         for thread in self._threads:
             thread.join(timeout=30)
+        self._reader.shutdown(wait=True)
 
     # ------------------------------------------------------------------ threads
 
@@ -209,28 +215,30 @@ class OffloadingWorker(KVConnectorWorker):
         if not self.io.in_host_memory:
             data = torch.empty((len(pairs), self.io.block_bytes), dtype=torch.uint8)
         block_ids = [block_id for block_id, _ in pairs]
-        num_good = num_loaded = 0
+        half = len(pairs) // 2 if len(pairs) >= _SPLIT_BLOCKS else len(pairs)
+        num_loaded = 0
         completed = False
         bad: list[str] = []
         errors: dict[str, int] = {}
         try:
-            for j, (block_id, key) in enumerate(pairs):
-                path = block_path(self.root, key)
-                if data is None:
-                    parts = self.io.block_views(block_id)
-                    assert parts is not None
-                else:
-                    parts = [data[j].numpy().data]
-                reason = self._read(path, key, parts)
-                if reason is not None:
-                    logger.warning(
-                        "disk KV tier: block file %s is %s; the block is recomputed", path, reason
-                    )
-                    errors[reason] = errors.get(reason, 0) + 1
+            second: Future[tuple[int, str | None, str | None]] | None = None
+            if half < len(pairs):
+                second = self._reader.submit(self._read_run, pairs, half, len(pairs), data)
+            try:
+                runs = [self._read_run(pairs, 0, half, data)]
+            finally:
+                if second is not None:
+                    wait([second])  # no thread may write into the blocks once the load ends
+            if second is not None:
+                runs.append(second.result())
+            for _, key, reason in runs:
+                if key is not None and reason is not None:
                     bad.append(key)
-                    path.unlink(missing_ok=True)
-                    break
-                num_good += 1
+                    errors[reason] = errors.get(reason, 0) + 1
+            # Blocks count from the start up to the first bad one.
+            num_good = runs[0][0]
+            if num_good == half and second is not None:
+                num_good += runs[1][0]
             if num_good and data is not None:
                 self.io.scatter(block_ids[:num_good], data[:num_good])
             num_loaded = num_good
@@ -255,6 +263,29 @@ class OffloadingWorker(KVConnectorWorker):
                 stats.seconds.setdefault("load", []).append(time.perf_counter() - started)
                 for reason, count in errors.items():
                     stats.errors[reason] = stats.errors.get(reason, 0) + count
+
+    def _read_run(
+        self, pairs: list[tuple[int, str]], begin: int, end: int, data: torch.Tensor | None
+    ) -> tuple[int, str | None, str | None]:
+        """Read ``pairs[begin:end]`` in order, into their blocks (or ``data``'s rows),
+        stopping at the first bad file, which is deleted: (how many were good, the bad
+        key, why it was bad)."""
+        for j in range(begin, end):
+            block_id, key = pairs[j]
+            if data is None:
+                parts = self.io.block_views(block_id)
+                assert parts is not None
+            else:
+                parts = [data[j].numpy().data]
+            path = block_path(self.root, key)
+            reason = self._read(path, key, parts)
+            if reason is not None:
+                logger.warning(
+                    "disk KV tier: block file %s is %s; the block is recomputed", path, reason
+                )
+                path.unlink(missing_ok=True)
+                return j - begin, key, reason
+        return end - begin, None, None
 
     def _read(self, path: Path, key: str, parts: list[memoryview]) -> str | None:
         """Read block ``key``'s file, its payload into ``parts`` (consecutive buffers
