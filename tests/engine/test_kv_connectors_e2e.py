@@ -139,7 +139,10 @@ def test_disk_tier_matches_survives_a_restart_and_recomputes_bad_files(
     collector.kv = KVTransferStats()
     (out,) = restarted.generate([prompts[1]], GREEDY, use_tqdm=False)
     assert out.outputs[0].token_ids == reference[1]
-    assert collector.kv.errors == {"corrupt": 1}  # the load stops at the first bad block
+    # The hit stops at the first bad block; the truncated one is found too when it
+    # falls in the half of the load a second reader took.
+    assert collector.kv.errors["corrupt"] == 1
+    assert set(collector.kv.errors) <= {"corrupt", "truncated"}
     assert out.num_cached_tokens == 4 * 16
     # The rest of the tier's full blocks before the last token were recomputed.
     assert collector.kv.num_recomputed_tokens == (len(prompts[1]) - 1) // 16 * 16 - 4 * 16
