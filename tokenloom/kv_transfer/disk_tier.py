@@ -36,7 +36,6 @@ from tokenloom.kv_transfer.block_file import BLOCKS_DIR, TMP_DIR, VERSION, block
 logger = logging.getLogger(__name__)
 
 MANIFEST = "tier.json"
-_FORMAT = VERSION
 
 
 class DiskTierIndex:
@@ -65,7 +64,7 @@ class DiskTierIndex:
 
     def _open(self) -> None:
         manifest = self.root / MANIFEST
-        wanted = {"format": _FORMAT, "fingerprint": self.spec.fingerprint}
+        wanted = {"format": VERSION, "fingerprint": self.spec.fingerprint}
         found: dict | None = None
         try:
             found = json.loads(manifest.read_text())

@@ -27,16 +27,16 @@ class KVBlockIO:
         self.block_bytes = len(self.tensors) * self.layer_bytes
         # Byte views of the CPU cache tensors, so a block's file can be read
         # straight into its slabs (``block_views``) with no copy after the read.
-        self._flat: list[memoryview] | None = None
         self.in_host_memory = first.device.type == "cpu"
+        self._flat: list[memoryview] = []
         if self.in_host_memory:
             self._flat = [t.view(torch.uint8).reshape(-1).numpy().data for t in self.tensors]
 
-    def block_views(self, block_id: int) -> list[memoryview] | None:
+    def block_views(self, block_id: int) -> list[memoryview]:
         """Writable views of the block's slabs in payload order (layer by layer, K
-        then V), or None where the cache is not in host memory."""
-        if self._flat is None:
-            return None
+        then V); only where the cache is ``in_host_memory``."""
+        if not self.in_host_memory:
+            raise ValueError("block_views needs the KV cache in host memory")
         start = block_id * self.layer_bytes
         end = start + self.layer_bytes
         return [flat[start:end] for flat in self._flat]

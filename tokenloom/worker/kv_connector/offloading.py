@@ -8,10 +8,10 @@ the good ones into the request's blocks, stopping at the first bad one. With
 the KV cache in host memory each file is read straight into its block's
 slabs (one ``preadv``, no copy after it; a block whose check then fails is
 reported invalid like any other); elsewhere the files are read into one
-staging buffer and copied in with one batched scatter. A bad file (corrupt, truncated, written for another
-model, gone) is logged, counted, deleted and its block reported invalid, so
-the scheduler recomputes it; a full disk fails the save, and the index
-shrinks its budget.
+staging buffer and copied in with one batched scatter. A bad file (corrupt,
+truncated, written for another model, gone) is logged, counted, deleted and
+its block reported invalid, so the scheduler recomputes it; a full disk
+fails the save, and the index shrinks its budget.
 
 The forward pass must not overwrite a block the saver has not copied yet
 (a block freed and handed to another request): ``start_load_kv`` waits for
@@ -272,11 +272,7 @@ class OffloadingWorker(KVConnectorWorker):
         key, why it was bad)."""
         for j in range(begin, end):
             block_id, key = pairs[j]
-            if data is None:
-                parts = self.io.block_views(block_id)
-                assert parts is not None
-            else:
-                parts = [data[j].numpy().data]
+            parts = self.io.block_views(block_id) if data is None else [data[j].numpy().data]
             path = block_path(self.root, key)
             reason = self._read(path, key, parts)
             if reason is not None:
