@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.core.utils import Harness, assert_no_leaks, make_request, make_scheduler
@@ -99,6 +99,21 @@ class Tenants:
     config=configs(),
     weights=st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0]), min_size=2, max_size=3),
     seed=st.integers(0, 2**16),
+)
+# Blocks for barely two requests: a request that preempts itself must not stop
+# the ones after it from running (else two resumed requests evict each other forever).
+@example(
+    config={
+        "max_num_seqs": 2,
+        "max_num_batched_tokens": 34,
+        "block_size": 4,
+        "num_blocks": 12,
+        "fair_burst_tokens": 0,
+        "enable_prefix_caching": False,
+        "long_prefill_token_threshold": 0,
+    },
+    weights=[0.5, 0.5],
+    seed=0,
 )
 def test_shares_converge_to_the_weights(config: dict, weights: list[float], seed: int) -> None:
     """Every tenant always has requests waiting: after a warm-up, each one's share of

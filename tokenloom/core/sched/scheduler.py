@@ -445,8 +445,10 @@ class Scheduler(SchedulerInterface):
                     token_budget = step.token_budget
                 new_blocks = allocate(request, num_new - num_spec, 0, None, num_spec)
             if new_blocks is None:
+                # It was the victim: the requests after it may still fit (under the
+                # fair and priority policies the victim need not be the last).
                 recount = True
-                break
+                continue
             if num_computed < request.mm_end:
                 self._claim_encoder_inputs(step, request, encoder_inputs, encoder_tokens)
                 mm_scheduled.append(request)
