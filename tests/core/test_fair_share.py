@@ -158,15 +158,75 @@ def test_prefill_chunk_is_capped_while_another_tenant_waits() -> None:
     steps = {}
     for policy in ("fcfs", "fair"):
         h = Harness(make_scheduler(policy=policy, max_num_batched_tokens=32, block_size=4))
-        h.add(make_request("long", 100, max_tokens=2, tenant="A"))
-        assert h.step().num_scheduled_tokens == {"long": 32}
-        h.add(make_request("short", 8, max_tokens=2, tenant="B"))
+        h.add(make_request("b0", 4, max_tokens=20, tenant="B"))
+        h.add(make_request("long", 200, max_tokens=2, tenant="A"))
+        for _ in range(3):
+            assert set(h.step().num_scheduled_tokens) == {"long", "b0"}
+        # B is busy (b0 decodes), so b1 shares the step with A's prompt.
+        h.add(make_request("b1", 8, max_tokens=2, tenant="B"))
         steps[policy] = h.step().num_scheduled_tokens
         h.run_until_done()
         assert_no_leaks(h.scheduler)
-    assert steps["fcfs"] == {"long": 32}
-    # The rest of the budget goes to the long prompt: nothing is left unused.
-    assert steps["fair"] == {"long": 24, "short": 8}
+    assert steps["fcfs"] == {"b0": 1, "long": 31}
+    # A's chunk is capped at its half of the step, raised to what B's waiting
+    # prompt leaves unused (32 - 8), so nothing of the budget is wasted.
+    assert steps["fair"] == {"b0": 1, "long": 24, "b1": 7}
+
+
+def test_a_tenant_back_from_idle_gets_a_step_to_itself() -> None:
+    """A is busy; B sends one request after being idle. Under the fair policy its
+    prompt runs alone in the next step (A's decodes and prompt chunk wait that one
+    step), then the steps are shared again; FCFS fills the step with A's."""
+    firsts = {}
+    for policy in ("fcfs", "fair"):
+        h = Harness(make_scheduler(policy=policy, max_num_batched_tokens=32, block_size=4))
+        h.add(*(make_request(f"a{i}", 4, max_tokens=30, tenant="A") for i in range(3)))
+        h.add(make_request("a_long", 200, max_tokens=2, tenant="A"))
+        for _ in range(3):
+            h.step()
+        h.add(make_request("b_new", 8, max_tokens=3, tenant="B"))
+        firsts[policy] = h.step().num_scheduled_tokens
+        if policy == "fair":
+            after = h.step().num_scheduled_tokens
+            assert {"a0", "a1", "a2", "a_long"} <= set(after)
+        h.run_until_done()
+        assert_no_leaks(h.scheduler)
+    assert firsts["fcfs"] == {"a0": 1, "a1": 1, "a2": 1, "a_long": 29}
+    assert firsts["fair"] == {"b_new": 8}
+
+
+def test_express_steps_never_follow_each_other() -> None:
+    """Idle tenants keep arriving, one per step: the busy tenant still runs every
+    other step, and each newcomer starts within two steps."""
+    h = Harness(make_scheduler(policy="fair", max_num_batched_tokens=64, block_size=4))
+    h.add(*(make_request(f"a{i}", 4, max_tokens=60, tenant="A") for i in range(2)))
+    h.step()
+    a_ran, started = [], {}
+    for step in range(12):
+        h.add(make_request(f"n{step}", 4, max_tokens=1, tenant=f"T{step}"))
+        scheduled = h.step().num_scheduled_tokens
+        a_ran.append("a0" in scheduled)
+        started.update({r: step for r in scheduled if r.startswith("n") and r not in started})
+    assert all(a_ran[i] or a_ran[i + 1] for i in range(len(a_ran) - 1)), a_ran
+    assert not all(a_ran), "no express step at all"
+    assert all(started[f"n{i}"] - i <= 1 for i in range(12)), started
+    h.run_until_done()
+    assert_no_leaks(h.scheduler)
+
+
+def test_express_step_falls_back_to_a_shared_one_when_nothing_can_start() -> None:
+    """B's prompt needs more blocks than A's running requests leave, and none of
+    A's may give way (B would hold more than its share of seats): the step is an
+    ordinary one, and B starts once blocks free up."""
+    h = Harness(make_scheduler(policy="fair", block_size=4, num_blocks=12, max_num_seqs=2))
+    h.add(make_request("a0", 16, max_tokens=8, tenant="A"))
+    h.step()
+    h.add(make_request("b0", 40, max_tokens=2, tenant="B"))
+    so = h.step()
+    assert so.num_scheduled_tokens == {"a0": 1}
+    assert not so.preempted_req_ids
+    h.run_until_done()
+    assert_no_leaks(h.scheduler)
 
 
 def test_preemption_victim_is_the_latest_start_in_virtual_time() -> None:

@@ -15,7 +15,7 @@ most ``burst_tokens`` times its weight ahead of its share, and tenants that
 arrive together start level. A tenant that leaves while ahead of the others
 keeps that lead against it (its record stays until the clock passes it).
 
-The scheduler asks it four things (see ``Scheduler``): which tenant's waiting
+The scheduler asks it five things (see ``Scheduler``): which tenant's waiting
 request comes next (``FairRequestQueue`` in ``request_queue.py``, over the
 per-tenant queues kept here), how large a prefill chunk a tenant may take
 while another tenant waits (``chunk_caps``: its weight's share of the step's
@@ -23,12 +23,13 @@ token budget), which running request to preempt when blocks run out
 (``pick_victim``: the one that started last in virtual time, as in start-time
 fair queueing: each running request keeps its tenant's virtual time at its
 admission, so the request admitted most recently by the fair order gives
-way, and the one admitted earliest always progresses), and whether a
-waiting request may take a seat from a tenant holding more than its share of
-the running batch (``reclaim_victim``). It keeps the scheduler's running list
-in arrival order (``admitted``). With one tenant busy every answer is FCFS's
-(only a resumed request's place in the running list differs), and charging a
-step costs O(1); with several, a step is charged one token per running
+way, and the one admitted earliest always progresses), whether a waiting
+request may take a seat from a tenant holding more than its share of the
+running batch (``reclaim_victim``), and whether a tenant behind its share that
+has just sent a request gets the next step to itself (``express_tenants``).
+It keeps the scheduler's running list in arrival order (``admitted``). With
+one tenant busy every answer is FCFS's (only a resumed request's place in the
+running list differs), and charging a step costs O(1); with several, a step is charged one token per running
 request of each tenant, corrected for the requests that got more or none
 (``charge_running``), or recounted when it preempted.
 
@@ -45,8 +46,9 @@ from bisect import bisect_right
 from collections import deque
 from operator import attrgetter
 
-from tokenloom.request import Request
+from tokenloom.request import Request, RequestStatus
 
+_WAITING = RequestStatus.WAITING
 _arrival_time = attrgetter("arrival_time")
 
 
@@ -97,6 +99,8 @@ class FairShare:
         # Admissions so far: orders running requests of different tenants.
         self.num_admitted = 0
         self.clock = 0.0
+        # Whether the last step was an express step (``express_tenants``).
+        self.express_taken = False
 
     # ------------------------------------------------------------------ membership
 
@@ -225,6 +229,37 @@ class FairShare:
                 fair = int(token_budget * share.weight / total_weight)
                 caps[name] = max(1, fair, token_budget - others)
         return caps or None
+
+    def express_tenants(self) -> set[str] | None:
+        """Tenants whose waiting requests get the next step to themselves; None for a
+        shared step.
+
+        A tenant qualifies when it has nothing running, its next request is plain
+        waiting (no grammar compiling, no KV loading), and its virtual time is below
+        every tenant with requests running: it is behind its share, typically
+        back from idle with the burst allowance. Its prompt would otherwise share
+        a full step with the busy tenants' decodes and prefill chunks, so it waits
+        for the step in flight and then a whole shared step; alone it waits for
+        the step in flight and a step as short as its prompt. Busy tenants lose
+        one step's progress, never two in a row: no two express steps follow
+        each other (``express_taken``), so their requests run at least every
+        other step.
+        """
+        if self.express_taken:
+            return None
+        names: set[str] | None = None
+        for name, share in self.queued.items():
+            if not share.num_running and share.waiting[0].status is _WAITING:
+                if names is None:
+                    names = set()
+                names.add(name)
+        if names is None:
+            return None
+        busy = [share.vtime for share in self.active.values() if share.num_running]
+        if not busy:
+            return None
+        lowest_busy = min(busy)
+        return {name for name in names if self.active[name].vtime < lowest_busy} or None
 
     def pick_victim(self, running: list[Request]) -> int:
         """Index of the running request to preempt: the one with the latest virtual

@@ -327,6 +327,11 @@ class Scheduler(SchedulerInterface):
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
+        return self._schedule(self._fair is not None and len(self._fair.active) > 1)
+
+    def _schedule(self, may_express: bool) -> SchedulerOutput:
+        """One step. ``may_express``: the fair policy may give the step to tenants
+        behind their share that have just sent requests (``FairShare.express_tenants``)."""
         step = StepBuilder(self.scheduler_config.max_num_batched_tokens, self._encoder_budget)
         chunk_cap = self._chunk_cap
         max_model_len = self.max_model_len
@@ -360,16 +365,24 @@ class Scheduler(SchedulerInterface):
         extra: dict[str, int] | None = None
         tenant_caps: dict[str, int] | None = None
         recount = False
+        express: set[str] | None = None
         if fair is not None and len(fair.active) > 1:
             extra = {}
-            tenant_caps = fair.chunk_caps(token_budget)
+            if may_express:
+                express = fair.express_tenants()
+            fair.express_taken = express is not None
+            if express is None:
+                tenant_caps = fair.chunk_caps(token_budget)
+            else:
+                # Its tenants have nothing running: the running requests all wait.
+                recount = True
             fast_cap = min(fast_cap, 1)
 
         preempted = False
         # Iterate over a snapshot: preempting edits ``running`` mid-pass, and
         # requests preempted during the pass are skipped (a for loop over a copy
         # costs less per request than indexing with bookkeeping).
-        for request in running.copy():
+        for request in running.copy() if express is None else ():
             if preempted and request.status is not _RUNNING:
                 continue
             num_computed = request.num_computed_tokens
@@ -480,7 +493,14 @@ class Scheduler(SchedulerInterface):
                 fair.charge_running(extra)
 
         if not preempted_ids and self.waiting:
-            self._admit_waiting(step, mm_scheduled, preempted_ids, tenant_caps, orphans)
+            self._admit_waiting(step, mm_scheduled, preempted_ids, tenant_caps, orphans, express)
+        if express is not None and not num_scheduled:
+            # Nothing of theirs could start (no blocks, no seat to reclaim): a shared
+            # step instead, which reports what this attempt preempted.
+            assert fair is not None
+            fair.express_taken = False
+            self._preempted_outside = preempted_ids
+            return self._schedule(False)
         freed: list[str] = []
         if self._mm_seen:
             if orphans:
@@ -558,13 +578,16 @@ class Scheduler(SchedulerInterface):
         preempted_ids: set[str],
         tenant_caps: dict[str, int] | None,
         orphans: list[str],
+        only_tenants: set[str] | None = None,
     ) -> None:
         """Admit waiting requests in queue order within ``step``'s budget.
 
         Stops at the first request that does not fit (no reordering), so a
         large prompt is not overtaken by smaller ones behind it, unless the
         policy lets it take a running request's place (``_reclaim``).
-        ``tenant_caps`` bounds each tenant's prompt chunk (fair policy).
+        ``tenant_caps`` bounds each tenant's prompt chunk and ``only_tenants``
+        (an express step) stops at the first request of another tenant (fair
+        policy).
         """
         config = self.scheduler_config
         chunked = config.enable_chunked_prefill
@@ -583,6 +606,8 @@ class Scheduler(SchedulerInterface):
             request = waiting.peek()
             if request.request_id in preempted_ids:
                 break  # taken out this step (a reclaimed seat): it resumes in a later one
+            if only_tenants is not None and request.tenant not in only_tenants:
+                break
             seats_full = len(running) >= config.max_num_seqs
             if seats_full and (reclaimed or fair is None):
                 break
