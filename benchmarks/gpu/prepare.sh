@@ -13,7 +13,7 @@ TOKENLOOM_BUILD_VARIANTS=none "$PY" -m pip wheel -q --no-build-isolation --no-de
 # What tokenloom needs beyond that machine's image, at the versions this venv has.
 DEPS="gguf msgspec pyzmq xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types
 typing-inspection fastapi starlette uvicorn opentelemetry-api jsonschema
-jsonschema-specifications referencing rpds-py xxhash"
+jsonschema-specifications referencing rpds-py xxhash pytest pluggy iniconfig"
 PLATFORMS=""
 for p in manylinux_2_17 manylinux_2_24 manylinux_2_26 manylinux_2_27 manylinux_2_28 manylinux_2_31 manylinux_2_34 manylinux2014; do
     PLATFORMS="$PLATFORMS --platform ${p}_x86_64"
