@@ -200,14 +200,27 @@ class DraftModelProposer:
         token_rows = np.repeat(rows, query_lens)
         slot_mapping = table[token_rows, positions // bs] * bs + positions % bs
         device = self.device
-        meta = AttentionMetadata.build(
-            query_lens.tolist(),
-            seq_lens.tolist(),
-            to_device(table[rows].astype(np.int32), device),
-            to_device(slot_mapping, device),
-            bs,
-            native_op=self.native_attention,
-        )
+        block_table = to_device(table[rows].astype(np.int32), device)
+        slots = to_device(slot_mapping.astype(np.int64), device)
+        if self.forward_plan.attention == "triton":  # as the target's steps on CUDA
+            query_start = np.zeros(len(rows) + 1, dtype=np.int32)
+            np.cumsum(query_lens, out=query_start[1:])
+            meta = AttentionMetadata.for_kernel(
+                to_device(query_start, device),
+                to_device(seq_lens.astype(np.int32), device),
+                block_table,
+                slots,
+                bs,
+            )
+        else:
+            meta = AttentionMetadata.build(
+                query_lens.tolist(),
+                seq_lens.tolist(),
+                block_table,
+                slots,
+                bs,
+                native_op=self.native_attention,
+            )
         hidden = self.model(
             to_device(input_ids.astype(np.int64), device),
             to_device(positions.astype(np.int64), device),
