@@ -77,9 +77,17 @@ def record(path: Path, seed: int = 0, policy: str = "fcfs") -> dict[str, int]:
                 prompt = shared[: rng.randrange(8, 25)] + prompt
             params = SamplingParams(max_tokens=rng.randrange(1, 40))
             req_id = f"req-{i}-{len(live)}"
+            tenant = rng.randrange(3)  # weighed under the fair policy
             core.add_request(
                 EngineCoreRequest(
-                    req_id, prompt, params, EOS, arrival_time=time.time(), priority=rng.randrange(3)
+                    req_id,
+                    prompt,
+                    params,
+                    EOS,
+                    arrival_time=time.time(),
+                    priority=rng.randrange(3),
+                    tenant=f"team-{tenant}",
+                    tenant_weight=1.0 + tenant,
                 )
             )
             live.append(req_id)
@@ -101,11 +109,14 @@ def step(core: EngineCore, cached: dict[str, int]) -> None:
             cached[output.request_id] = output.num_cached_tokens
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
 def test_replay_reproduces_every_step(tmp_path: Path, policy: str) -> None:
     path = tmp_path / "trace.jsonl"
     record(path, policy=policy)
     trace = read_trace(path)
+    # Tenants keep only which is which, and their weights.
+    tenants = {(a.tenant, a.tenant_weight) for a in trace.arrivals}
+    assert {t for t, _ in tenants} == {"t0", "t1", "t2"} and len(tenants) == 3
     assert trace.config.max_num_seqs == 6 and trace.config.num_blocks == 48
     assert len(trace.finishes) == len(trace.arrivals) > 30
     kinds = {f.finish for f in trace.finishes.values()}

@@ -167,6 +167,8 @@ class _Runner:
             arrival_time=arrival_time,
             priority=arrival.priority,
             lora_request=lora,
+            tenant=arrival.tenant,
+            tenant_weight=arrival.tenant_weight,
             prior_output_token_ids=arrival.prior_output,
         )
         self.timings[index] = RequestTiming(

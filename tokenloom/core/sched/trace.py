@@ -7,8 +7,8 @@ The file is JSON Lines, one record a line, told apart by ``type``:
 - ``header``: the configuration the steps were scheduled under (``TraceConfig``)
   and the wall-clock time recording began; every other time is seconds after it.
 - ``arrival``: a request reached the scheduler: when it arrived at the front
-  end and at the scheduler (after how many steps), its prompt, priority and
-  adapter.
+  end and at the scheduler (after how many steps), its prompt, priority,
+  adapter and tenant (renamed ``t0``, ``t1``, ... in order of appearance).
 - ``finish``: a request left the core (or recording stopped): every token
   the core generated for it, and how and after which step it finished.
 - ``step``: one per ``schedule()`` call: the requests scheduled and their
@@ -137,6 +137,10 @@ class TraceArrival(msgspec.Struct, tag="arrival", kw_only=True):
     structured: bool = False
     # Images in the prompt: their encoder work shapes the steps, and a trace keeps none of it.
     images: int = 0
+    # The fair policy's tenant, named by order of first appearance ("t0", "t1", ...;
+    # "" for none), and its weight.
+    tenant: str = ""
+    tenant_weight: float = 1.0
 
 
 class TraceFinish(msgspec.Struct, tag="finish", kw_only=True):
@@ -226,6 +230,8 @@ class TraceRecorder:
         # Requests in the core: their index, prior output count, and the scheduler's
         # object (its tokens are read at finish).
         self._live: dict[str, tuple[int, int, Request]] = {}
+        # Tenant names are the operator's: the trace keeps only which is which.
+        self._tenants: dict[str, str] = {}
         self._num_requests = 0
         self._num_steps = 0
         self._write(TraceHeader(version=TRACE_VERSION, start_time=self._start_wall, config=config))
@@ -253,11 +259,21 @@ class TraceRecorder:
                 lora_int_id=request.lora_int_id,
                 structured=request.sampling_params.structured_outputs is not None,
                 images=len(request.mm_features or ()),
+                tenant=self._tenant_label(request.tenant),
+                tenant_weight=request.tenant_weight,
             )
         )
         self._live[request.request_id] = (index, len(tokens) - num_prompt, request)
         if request.status == RequestStatus.FINISHED_IGNORED:  # refused on arrival
             self._finish(request.request_id, self._num_steps - 1)
+
+    def _tenant_label(self, tenant: str) -> str:
+        if not tenant:
+            return ""
+        label = self._tenants.get(tenant)
+        if label is None:
+            label = self._tenants[tenant] = f"t{len(self._tenants)}"
+        return label
 
     def abort(self, request_ids: list[str]) -> None:
         """``request_ids`` were just aborted in the scheduler."""
