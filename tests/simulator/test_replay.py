@@ -18,11 +18,21 @@ import pytest
 from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.core.sched.output import SchedulerOutput
 from tokenloom.core.sched.scheduler import Scheduler
-from tokenloom.core.sched.trace import TraceArrival, TraceHeader, anonymize, read_trace
+from tokenloom.core.sched.trace import (
+    TRACE_VERSION,
+    TraceArrival,
+    TraceConfig,
+    TraceFinish,
+    TraceHeader,
+    TraceStep,
+    anonymize,
+    read_trace,
+)
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.messages import EngineCoreRequest
 from tokenloom.outputs import ModelRunnerOutput
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.simulator.cost_model import CostModel
 from tokenloom.simulator.replay import ReplayMismatch, replay, simulate, with_overrides
 
 EOS = 0
@@ -213,6 +223,49 @@ def test_rate_scale_compresses_the_arrivals(tmp_path: Path) -> None:
         simulate(trace, model, rate_scale=0.0)
     with pytest.raises(ValueError, match="not a scheduler trace setting"):
         with_overrides(trace.config, max_num_sequences=3)
+
+
+def test_a_request_that_arrived_during_a_step_waits_for_the_simulated_steps_only(
+    tmp_path: Path,
+) -> None:
+    """Recorded: request 1 arrived 0.1 s into a 1 s step and reached the scheduler when
+    it ended. Simulated with 10 ms steps, it is added 1 ms (the front end's own delay)
+    after its arrival, not the recorded 0.9 s wait."""
+    config = TraceConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        enable_chunked_prefill=True,
+        long_prefill_token_threshold=0,
+        policy="fcfs",
+        block_size=4,
+        num_blocks=32,
+        enable_prefix_caching=False,
+        max_model_len=128,
+    )
+    prompts = [anonymize(list(range(1, 9))), anonymize(list(range(20, 28)))]
+    records = [
+        TraceHeader(version=TRACE_VERSION, start_time=0.0, config=config),
+        TraceArrival(
+            index=0, request_id="a", arrival_time=0.0, add_time=0.0, add_step=0, prompt=prompts[0]
+        ),
+        TraceStep(index=0, start=0.0, duration=1.0, reqs=[0], tokens=[8]),
+        TraceArrival(
+            index=1, request_id="b", arrival_time=0.1, add_time=1.001, add_step=1, prompt=prompts[1]
+        ),
+        TraceStep(index=1, start=1.001, duration=1.0, reqs=[0, 1], tokens=[1, 8]),
+        TraceFinish(index=0, output=[1, 2], finish="length", time=2.0, step=1),
+        TraceFinish(index=1, output=[3], finish="length", time=2.0, step=1),
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in records))
+    trace = read_trace(path)
+    model = CostModel(
+        coefficients=(0.01, 0.0, 0.0, 0.0, 0.0), step_gap_s=0.0, relative_error=0.0, num_steps=2
+    )
+    run = simulate(trace, model)
+    late = next(r for r in run.requests if r.index == 1)
+    assert late.added - late.arrival == pytest.approx(0.001)
+    assert late.first_token is not None and late.first_token - late.arrival < 0.05
 
 
 def test_an_earlier_trace_is_kept_beside_the_new_one(tmp_path: Path) -> None:

@@ -323,13 +323,19 @@ def simulate(
     config = config or trace.config
     runner = _Runner(trace, config, exact=False)
     first = min((a.arrival_time for a in trace.arrivals), default=0.0)
+    step_ends = {step.index: step.start + step.duration for step in trace.steps}
     # (time, order, kind, payload): arrivals at their rescaled times, each keeping the
     # delay it had before reaching the scheduler; aborts of requests that never got a
-    # token, as long after their arrival as they were.
+    # token, as long after their arrival as they were. The core reads new requests
+    # between steps, so a request that arrived during a step was added when it ended:
+    # only the delay after that end is the front end's, the rest the simulated steps
+    # decide.
     events: list[tuple[float, int, str, TraceArrival]] = []
     for arrival in trace.arrivals:
         arrived = first + (arrival.arrival_time - first) / rate_scale
-        added = arrived + max(arrival.add_time - arrival.arrival_time, 0.0)
+        step_end = step_ends.get(arrival.add_step - 1, arrival.arrival_time)
+        front_end_delay = arrival.add_time - max(arrival.arrival_time, step_end)
+        added = arrived + max(front_end_delay, 0.0)
         events.append((added, arrival.index, "add", arrival))
         finish = trace.finish_of(arrival.index)
         if finish.finish == "abort" and runner.max_tokens(arrival) is None:
