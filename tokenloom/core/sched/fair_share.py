@@ -49,6 +49,8 @@ from operator import attrgetter
 from tokenloom.request import Request, RequestStatus
 
 _WAITING = RequestStatus.WAITING
+# At most one step in this many is an express step.
+EXPRESS_SPACING = 4
 _arrival_time = attrgetter("arrival_time")
 
 
@@ -99,8 +101,8 @@ class FairShare:
         # Admissions so far: orders running requests of different tenants.
         self.num_admitted = 0
         self.clock = 0.0
-        # Whether the last step was an express step (``express_tenants``).
-        self.express_taken = False
+        # Steps scheduled since the last express step (``express_tenants``).
+        self.steps_since_express = EXPRESS_SPACING
 
     # ------------------------------------------------------------------ membership
 
@@ -241,11 +243,13 @@ class FairShare:
         a full step with the busy tenants' decodes and prefill chunks, so it waits
         for the step in flight and then a whole shared step; alone it waits for
         the step in flight and a step as short as its prompt. Busy tenants lose
-        one step's progress, never two in a row: no two express steps follow
-        each other (``express_taken``), so their requests run at least every
-        other step.
+        one step's progress, and an express step is an extra step, which costs
+        its fixed overhead: at most one step in ``EXPRESS_SPACING`` is one
+        (``steps_since_express``, kept by the scheduler), so the busy tenants'
+        requests run in the others whatever the arrivals. A tenant that comes
+        back sooner than that still goes first in the shared step.
         """
-        if self.express_taken:
+        if self.steps_since_express < EXPRESS_SPACING:
             return None
         names: set[str] | None = None
         for name, share in self.queued.items():

@@ -327,7 +327,11 @@ class Scheduler(SchedulerInterface):
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        return self._schedule(self._fair is not None and len(self._fair.active) > 1)
+        fair = self._fair
+        if fair is None:
+            return self._schedule(False)
+        fair.steps_since_express += 1
+        return self._schedule(len(fair.active) > 1)
 
     def _schedule(self, may_express: bool) -> SchedulerOutput:
         """One step. ``may_express``: the fair policy may give the step to tenants
@@ -366,16 +370,18 @@ class Scheduler(SchedulerInterface):
         tenant_caps: dict[str, int] | None = None
         recount = False
         express: set[str] | None = None
+        steps_since_express = 0
         if fair is not None and len(fair.active) > 1:
             extra = {}
             if may_express:
                 express = fair.express_tenants()
-            fair.express_taken = express is not None
             if express is None:
                 tenant_caps = fair.chunk_caps(token_budget)
             else:
                 # Its tenants have nothing running: the running requests all wait.
                 recount = True
+                steps_since_express = fair.steps_since_express
+                fair.steps_since_express = 0
             fast_cap = min(fast_cap, 1)
 
         preempted = False
@@ -498,7 +504,7 @@ class Scheduler(SchedulerInterface):
             # Nothing of theirs could start (no blocks, no seat to reclaim): a shared
             # step instead, which reports what this attempt preempted.
             assert fair is not None
-            fair.express_taken = False
+            fair.steps_since_express = steps_since_express
             self._preempted_outside = preempted_ids
             return self._schedule(False)
         freed: list[str] = []
