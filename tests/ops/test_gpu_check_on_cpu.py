@@ -1,5 +1,5 @@
 """The GPU check's correctness section (``benchmarks/gpu/check.py``) on the CPU:
-the CUDA backend's Triton attention, run by the engine in Triton's interpreter,
+the CUDA backend's Triton attention and layer ops, run by the engine in Triton's interpreter,
 against transformers, over a batch that takes chunked prefill, prefix hits and
 preemption. GPU time is rare: the script must not fail there for a reason the
 CPU could have shown."""
@@ -20,7 +20,7 @@ def test_correctness_section_runs_the_triton_path(
     default_hf_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TOKENLOOM_FORWARD_PLAN", "attention=triton")
+    monkeypatch.setenv("TOKENLOOM_FORWARD_PLAN", "attention=triton,layer_ops=triton")
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "gpu"))
     sys.modules.pop("check", None)
     import check
@@ -42,7 +42,7 @@ def test_correctness_section_runs_the_triton_path(
         (family, dtype) for family in ("llama", "qwen3") for dtype in ("float32", "bfloat16")
     }
     for record in records:
-        assert "attention=triton" in record["plan"], record["plan"]
+        assert "layer_ops=triton" in record["plan"] and "attention=triton" in record["plan"], record
         assert record["ok"], record
         assert record["preemptions"] > 0 and record["cached_tokens"] > 0, record
 

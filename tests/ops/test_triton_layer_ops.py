@@ -23,6 +23,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.fixture(autouse=True, params=[2, 64], ids=["tiles of 2 rows", "tiles of 64 rows"])
+def rows_per_program(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the interpreter the kernels take 64 rows a program; 2 checks tiles that
+    split the rows over several programs, the last one part empty, as on a GPU."""
+    monkeypatch.setattr(layer_ops, "_INTERPRETER_ROWS", request.param)
+
+
 def _close(got: torch.Tensor, expected: torch.Tensor, atol: float = 1.6e-2) -> None:
     if expected.dtype == torch.float32:
         torch.testing.assert_close(got.cpu(), expected, atol=1e-6, rtol=1e-6)

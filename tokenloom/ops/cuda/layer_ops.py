@@ -17,6 +17,9 @@ dimension.
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -25,15 +28,20 @@ import triton.language as tl
 MAX_NORM_WIDTH = 65536
 # Columns of SiLU-and-mul per program.
 _ACT_BLOCK = 1024
+# Elements of one program's tile on a GPU: a row each where rows are wide (the
+# hidden size), several where they are narrow (heads).
+_TILE = 2048
+# Under the interpreter a program costs the same whatever its tile: many rows each.
+_INTERPRETER_ROWS = 64
 
 
 @triton.jit
-def _normalize(row, weight_ptr, cols, mask, n, eps, OUT_DTYPE: tl.constexpr):
-    """row (float32, zeros past ``n``) / rms(row) * weight, rounded to OUT_DTYPE
-    before the weight multiplies it, as the torch path does."""
-    inv_rms = 1.0 / tl.sqrt(tl.sum(row * row, 0) / n + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return ((row * inv_rms).to(OUT_DTYPE).to(tl.float32) * weight).to(OUT_DTYPE)
+def _normalize(values, weight, n, eps, OUT_DTYPE: tl.constexpr):
+    """Each row of ``values`` [ROWS, BLOCK] (float32, zeros past ``n``) divided by
+    its rms and rounded to OUT_DTYPE, then times ``weight`` (float32, broadcast
+    over the rows) and rounded again, as the torch path does."""
+    inv_rms = 1.0 / tl.sqrt(tl.sum(values * values, 1) / n + eps)
+    return ((values * inv_rms[:, None]).to(OUT_DTYPE).to(tl.float32) * weight).to(OUT_DTYPE)
 
 
 @triton.jit
@@ -41,22 +49,21 @@ def _rms_norm_kernel(
     out,
     x,
     weight,
+    num_rows,
     stride_x,
     stride_o,
     n,
     eps,
     BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n
-    values = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    dtype = out.dtype.element_ty
-    tl.store(
-        out + row * stride_o + cols,
-        _normalize(values, weight, cols, mask, n, eps, dtype),
-        mask=mask,
-    )
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (rows < num_rows) & (cols < n)
+    values = tl.load(x + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(weight + cols, mask=cols < n, other=0.0).to(tl.float32)
+    normed = _normalize(values, w, n, eps, out.dtype.element_ty)
+    tl.store(out + rows * stride_o + cols, normed, mask=mask)
 
 
 @triton.jit
@@ -64,23 +71,27 @@ def _add_rms_norm_kernel(
     x,
     residual,
     weight,
+    num_rows,
     stride_x,
     stride_r,
     n,
     eps,
     BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (rows < num_rows) & (cols < n)
     dtype = x.dtype.element_ty
-    a = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(residual + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(x + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(residual + rows * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     # The sum is rounded before it is normalized: the residual stream holds it so.
     total = (a + b).to(dtype)
-    tl.store(residual + row * stride_r + cols, total, mask=mask)
-    normed = _normalize(total.to(tl.float32), weight, cols, mask, n, eps, dtype)
-    tl.store(x + row * stride_x + cols, normed, mask=mask)
+    tl.store(residual + rows * stride_r + cols, total, mask=mask)
+    w = tl.load(weight + cols, mask=cols < n, other=0.0).to(tl.float32)
+    tl.store(
+        x + rows * stride_x + cols, _normalize(total.to(tl.float32), w, n, eps, dtype), mask=mask
+    )
 
 
 @triton.jit
@@ -89,42 +100,47 @@ def _qk_rms_norm_kernel(
     q_weight,
     k_weight,
     stride_t,
+    num_rows,
     num_heads,
+    num_qk_heads,
     eps,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < HEAD_DIM
-    ptr = qkv + token * stride_t + head * HEAD_DIM + cols
+    # Row r is head r % num_qk_heads of token r // num_qk_heads (Q heads first).
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    head = rows % num_qk_heads
+    cols = tl.arange(0, BLOCK)[None, :]
+    col_mask = cols < HEAD_DIM
+    mask = (rows < num_rows) & col_mask
+    ptr = qkv + (rows // num_qk_heads) * stride_t + head * HEAD_DIM + cols
     values = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-    dtype = qkv.dtype.element_ty
-    if head < num_heads:
-        normed = _normalize(values, q_weight, cols, mask, HEAD_DIM, eps, dtype)
-    else:
-        normed = _normalize(values, k_weight, cols, mask, HEAD_DIM, eps, dtype)
-    tl.store(ptr, normed, mask=mask)
+    qw = tl.load(q_weight + cols, mask=col_mask, other=0.0).to(tl.float32)
+    kw = tl.load(k_weight + cols, mask=col_mask, other=0.0).to(tl.float32)
+    w = tl.where(head < num_heads, qw, kw)
+    tl.store(ptr, _normalize(values, w, HEAD_DIM, eps, qkv.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _silu_and_mul_kernel(
     out,
     gate_up,
+    num_rows,
     stride_o,
     stride_g,
     n,
     BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = (rows < num_rows) & (cols < n)
     dtype = out.dtype.element_ty
-    gate = tl.load(gate_up + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up + row * stride_g + n + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_up + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up + rows * stride_g + n + cols, mask=mask, other=0.0).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out + row * stride_o + cols, (silu * up).to(dtype), mask=mask)
+    tl.store(out + rows * stride_o + cols, (silu * up).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -135,17 +151,21 @@ def _rotary_kernel(
     stride_t,
     stride_c,
     stride_s,
+    num_rows,
+    num_qk_heads,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    cols = tl.arange(0, HALF_PAD)
-    mask = cols < HALF
+    # Row r is head r % num_qk_heads of token r // num_qk_heads.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    token = rows // num_qk_heads
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (rows < num_rows) & (cols < HALF)
     c = tl.load(cos + token * stride_c + cols, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(sin + token * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
-    first = qkv + token * stride_t + head * HEAD_DIM + cols
+    first = qkv + token * stride_t + (rows % num_qk_heads) * HEAD_DIM + cols
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     dtype = qkv.dtype.element_ty
@@ -167,8 +187,21 @@ def _norm_block(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
-def _norm_warps(block: int) -> int:
-    return min(max(block // 256, 1), 16)
+def _rows_per_program(block: int) -> int:
+    """Rows of ``block`` elements one program takes: a fixed number for each width,
+    never the batch's, so a new batch size never compiles a kernel again."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return _INTERPRETER_ROWS
+    return max(1, _TILE // block)
+
+
+def _launch(kernel: Any, num_rows: int, block: int, *args: Any, **constants: Any) -> None:
+    """``kernel`` over ``num_rows`` rows of ``block`` elements, in row tiles."""
+    rows = _rows_per_program(block)
+    warps = min(max(rows * block // 256, 1), 8)
+    kernel[(triton.cdiv(num_rows, rows),)](
+        *args, BLOCK=block, ROWS=rows, num_warps=warps, **constants
+    )
 
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
@@ -183,17 +216,18 @@ def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: floa
         )
     if rows == 0:
         return
-    block = _norm_block(n)
-    _rms_norm_kernel[(rows,)](
+    _launch(
+        _rms_norm_kernel,
+        rows,
+        _norm_block(n),
         out,
         x,
         weight,
+        rows,
         x.stride(0),
         out.stride(0),
         n,
         eps,
-        BLOCK=block,
-        num_warps=_norm_warps(block),
     )
 
 
@@ -210,17 +244,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         )
     if rows == 0:
         return
-    block = _norm_block(n)
-    _add_rms_norm_kernel[(rows,)](
+    _launch(
+        _add_rms_norm_kernel,
+        rows,
+        _norm_block(n),
         x,
         residual,
         weight,
+        rows,
         x.stride(0),
         residual.stride(0),
         n,
         eps,
-        BLOCK=block,
-        num_warps=_norm_warps(block),
     )
 
 
@@ -243,16 +278,21 @@ def qk_rms_norm(
         )
     if qkv.shape[0] == 0:
         return
-    _qk_rms_norm_kernel[(qkv.shape[0], num_heads + num_kv_heads)](
+    heads = num_heads + num_kv_heads
+    rows = qkv.shape[0] * heads
+    _launch(
+        _qk_rms_norm_kernel,
+        rows,
+        _norm_block(head_dim),
         qkv,
         q_weight,
         k_weight,
         qkv.stride(0),
+        rows,
         num_heads,
+        heads,
         eps,
         HEAD_DIM=head_dim,
-        BLOCK=_norm_block(head_dim),
-        num_warps=1,
     )
 
 
@@ -269,8 +309,17 @@ def silu_and_mul(out: torch.Tensor, gate_up: torch.Tensor) -> None:
     if rows == 0:
         return
     block = min(_ACT_BLOCK, triton.next_power_of_2(n))
-    _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
-        out, gate_up, out.stride(0), gate_up.stride(0), n, BLOCK=block, num_warps=4
+    per_program = _rows_per_program(block)
+    _silu_and_mul_kernel[(triton.cdiv(rows, per_program), triton.cdiv(n, block))](
+        out,
+        gate_up,
+        rows,
+        out.stride(0),
+        gate_up.stride(0),
+        n,
+        BLOCK=block,
+        ROWS=per_program,
+        num_warps=4,
     )
 
 
@@ -303,15 +352,19 @@ def rotary_qk(
         )
     if rows == 0 or half == 0:
         return
-    _rotary_kernel[(rows, num_heads + num_kv_heads)](
+    heads = num_heads + num_kv_heads
+    _launch(
+        _rotary_kernel,
+        rows * heads,
+        triton.next_power_of_2(half),
         qkv,
         cos,
         sin,
         qkv.stride(0),
         cos.stride(0),
         sin.stride(0),
+        rows * heads,
+        heads,
         HEAD_DIM=head_dim,
         HALF=half,
-        HALF_PAD=triton.next_power_of_2(half),
-        num_warps=1,
     )
