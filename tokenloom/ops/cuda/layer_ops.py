@@ -36,12 +36,13 @@ _INTERPRETER_ROWS = 64
 
 
 @triton.jit
-def _normalize(values, weight, n, eps, OUT_DTYPE: tl.constexpr):
+def _normalize(values, weight, n, eps, out):
     """Each row of ``values`` [ROWS, BLOCK] (float32, zeros past ``n``) divided by
-    its rms and rounded to OUT_DTYPE, then times ``weight`` (float32, broadcast
-    over the rows) and rounded again, as the torch path does."""
+    its rms and rounded to the dtype ``out`` points to, then times ``weight``
+    (float32, broadcast over the rows) and rounded again, as the torch path does."""
+    dtype = out.dtype.element_ty
     inv_rms = 1.0 / tl.sqrt(tl.sum(values * values, 1) / n + eps)
-    return ((values * inv_rms[:, None]).to(OUT_DTYPE).to(tl.float32) * weight).to(OUT_DTYPE)
+    return ((values * inv_rms[:, None]).to(dtype).to(tl.float32) * weight).to(dtype)
 
 
 @triton.jit
@@ -62,7 +63,7 @@ def _rms_norm_kernel(
     mask = (rows < num_rows) & (cols < n)
     values = tl.load(x + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(weight + cols, mask=cols < n, other=0.0).to(tl.float32)
-    normed = _normalize(values, w, n, eps, out.dtype.element_ty)
+    normed = _normalize(values, w, n, eps, out)
     tl.store(out + rows * stride_o + cols, normed, mask=mask)
 
 
@@ -89,9 +90,7 @@ def _add_rms_norm_kernel(
     total = (a + b).to(dtype)
     tl.store(residual + rows * stride_r + cols, total, mask=mask)
     w = tl.load(weight + cols, mask=cols < n, other=0.0).to(tl.float32)
-    tl.store(
-        x + rows * stride_x + cols, _normalize(total.to(tl.float32), w, n, eps, dtype), mask=mask
-    )
+    tl.store(x + rows * stride_x + cols, _normalize(total.to(tl.float32), w, n, eps, x), mask=mask)
 
 
 @triton.jit
@@ -119,7 +118,7 @@ def _qk_rms_norm_kernel(
     qw = tl.load(q_weight + cols, mask=col_mask, other=0.0).to(tl.float32)
     kw = tl.load(k_weight + cols, mask=col_mask, other=0.0).to(tl.float32)
     w = tl.where(head < num_heads, qw, kw)
-    tl.store(ptr, _normalize(values, w, HEAD_DIM, eps, qkv.dtype.element_ty), mask=mask)
+    tl.store(ptr, _normalize(values, w, HEAD_DIM, eps, qkv), mask=mask)
 
 
 @triton.jit
