@@ -47,8 +47,8 @@ def _normalize(values, weight, n, eps, out):
 
 @triton.jit
 def _rms_norm_kernel(
-    out,
     x,
+    out,
     weight,
     num_rows,
     stride_x,
@@ -205,57 +205,36 @@ def _launch(kernel: Any, num_rows: int, block: int, *args: Any, **constants: Any
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """out [T, n] = rms_norm(x [T, n]) * weight [n] (``out`` may be ``x``)."""
-    _check_rows("x", x)
-    _check_rows("out", out)
-    rows, n = x.shape
-    if out.shape != x.shape or weight.shape != (n,):
-        raise ValueError(
-            f"rms_norm: x {tuple(x.shape)}, out {tuple(out.shape)} and weight "
-            f"{tuple(weight.shape)} differ"
-        )
-    if rows == 0:
-        return
-    _launch(
-        _rms_norm_kernel,
-        rows,
-        _norm_block(n),
-        out,
-        x,
-        weight,
-        rows,
-        x.stride(0),
-        out.stride(0),
-        n,
-        eps,
-    )
+    _norm_rows(_rms_norm_kernel, "rms_norm", x, ("out", out), weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """In place, both [T, n]: residual += x, then x = rms_norm(residual) * weight
     (``tokenloom_cpu::add_rms_norm``'s contract)."""
+    _norm_rows(_add_rms_norm_kernel, "add_rms_norm", x, ("residual", residual), weight, eps)
+
+
+def _norm_rows(
+    kernel: Any,
+    op: str,
+    x: torch.Tensor,
+    other: tuple[str, torch.Tensor],
+    weight: torch.Tensor,
+    eps: float,
+) -> None:
+    """``kernel`` over the rows of ``x`` [T, n] and the other tensor of the same shape."""
+    name, y = other
     _check_rows("x", x)
-    _check_rows("residual", residual)
+    _check_rows(name, y)
     rows, n = x.shape
-    if residual.shape != x.shape or weight.shape != (n,):
+    if y.shape != x.shape or weight.shape != (n,):
         raise ValueError(
-            f"add_rms_norm: x {tuple(x.shape)}, residual {tuple(residual.shape)} and weight "
+            f"{op}: x {tuple(x.shape)}, {name} {tuple(y.shape)} and weight "
             f"{tuple(weight.shape)} differ"
         )
     if rows == 0:
         return
-    _launch(
-        _add_rms_norm_kernel,
-        rows,
-        _norm_block(n),
-        x,
-        residual,
-        weight,
-        rows,
-        x.stride(0),
-        residual.stride(0),
-        n,
-        eps,
-    )
+    _launch(kernel, rows, _norm_block(n), x, y, weight, rows, x.stride(0), y.stride(0), n, eps)
 
 
 def qk_rms_norm(
