@@ -64,14 +64,21 @@ def test_kernels_section_compares_flex_attention(
     default_hf_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Triton (interpreted), the torch path and FlexAttention attend the same
-    batches alike, and each is timed."""
+    batches alike, and each is timed; so are the layer ops, Triton and torch."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "gpu"))
     records = _run_check("kernels", tmp_path, default_hf_model_dir)
-    assert [r["case"] for r in records] == ["decode 4 x 40", "mixed"]
-    for record in records:
+    attention = [r for r in records if r["section"] == "kernels"]
+    assert [r["case"] for r in attention] == ["decode 4 x 40", "mixed"]
+    for record in attention:
         assert record["max_abs_diff"] < 0.05 and record["flex_max_abs_diff"] < 0.05, record
         assert min(record["triton_ms"], record["torch_ms"], record["flex_ms"]) > 0, record
+    layer_ops = [r for r in records if r["section"] == "layer_ops"]
+    assert [r["tokens"] for r in layer_ops] == [1, 3]
+    for record in layer_ops:
+        ops = {"add_rms_norm", "rotary_qk", "silu_and_mul"}
+        assert set(record["triton_ms"]) == set(record["torch_ms"]) == ops, record
+        assert min(record["triton_layer_ms"], record["torch_layer_ms"]) > 0, record
 
 
 @pytest.mark.e2e
