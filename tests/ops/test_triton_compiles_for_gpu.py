@@ -30,7 +30,6 @@ def test_kernels_compile_for_sm90() -> None:
     compiled = done.stdout.split()
     for kernel in (
         "_rms_norm_kernel",
-        "_add_rms_norm_kernel",
         "_qk_rms_norm_kernel",
         "_silu_and_mul_kernel",
         "_rotary_kernel",

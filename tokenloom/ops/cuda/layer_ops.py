@@ -48,49 +48,34 @@ def _normalize(values, weight, n, eps, out):
 @triton.jit
 def _rms_norm_kernel(
     x,
-    out,
+    y,
     weight,
     num_rows,
     stride_x,
-    stride_o,
+    stride_y,
     n,
     eps,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
 ):
+    """Without ADD_RESIDUAL y = rms_norm(x); with it, y is the residual stream:
+    y += x, then x = rms_norm(y)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     mask = (rows < num_rows) & (cols < n)
-    values = tl.load(x + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x_ptr = x + rows * stride_x + cols
+    y_ptr = y + rows * stride_y + cols
+    values = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(weight + cols, mask=cols < n, other=0.0).to(tl.float32)
-    normed = _normalize(values, w, n, eps, out)
-    tl.store(out + rows * stride_o + cols, normed, mask=mask)
-
-
-@triton.jit
-def _add_rms_norm_kernel(
-    x,
-    residual,
-    weight,
-    num_rows,
-    stride_x,
-    stride_r,
-    n,
-    eps,
-    BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
-    cols = tl.arange(0, BLOCK)[None, :]
-    mask = (rows < num_rows) & (cols < n)
-    dtype = x.dtype.element_ty
-    a = tl.load(x + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(residual + rows * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-    # The sum is rounded before it is normalized: the residual stream holds it so.
-    total = (a + b).to(dtype)
-    tl.store(residual + rows * stride_r + cols, total, mask=mask)
-    w = tl.load(weight + cols, mask=cols < n, other=0.0).to(tl.float32)
-    tl.store(x + rows * stride_x + cols, _normalize(total.to(tl.float32), w, n, eps, x), mask=mask)
+    if ADD_RESIDUAL:
+        residual = tl.load(y_ptr, mask=mask, other=0.0).to(tl.float32)
+        # The sum is rounded before it is normalized: the residual stream holds it so.
+        total = (values + residual).to(y.dtype.element_ty)
+        tl.store(y_ptr, total, mask=mask)
+        tl.store(x_ptr, _normalize(total.to(tl.float32), w, n, eps, x), mask=mask)
+    else:
+        tl.store(y_ptr, _normalize(values, w, n, eps, y), mask=mask)
 
 
 @triton.jit
@@ -205,24 +190,24 @@ def _launch(kernel: Any, num_rows: int, block: int, *args: Any, **constants: Any
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """out [T, n] = rms_norm(x [T, n]) * weight [n] (``out`` may be ``x``)."""
-    _norm_rows(_rms_norm_kernel, "rms_norm", x, ("out", out), weight, eps)
+    _norm_rows("rms_norm", x, ("out", out), weight, eps, add_residual=False)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """In place, both [T, n]: residual += x, then x = rms_norm(residual) * weight
     (``tokenloom_cpu::add_rms_norm``'s contract)."""
-    _norm_rows(_add_rms_norm_kernel, "add_rms_norm", x, ("residual", residual), weight, eps)
+    _norm_rows("add_rms_norm", x, ("residual", residual), weight, eps, add_residual=True)
 
 
 def _norm_rows(
-    kernel: Any,
     op: str,
     x: torch.Tensor,
     other: tuple[str, torch.Tensor],
     weight: torch.Tensor,
     eps: float,
+    add_residual: bool,
 ) -> None:
-    """``kernel`` over the rows of ``x`` [T, n] and the other tensor of the same shape."""
+    """The norm kernel over the rows of ``x`` [T, n] and the other tensor of its shape."""
     name, y = other
     _check_rows("x", x)
     _check_rows(name, y)
@@ -234,7 +219,20 @@ def _norm_rows(
         )
     if rows == 0:
         return
-    _launch(kernel, rows, _norm_block(n), x, y, weight, rows, x.stride(0), y.stride(0), n, eps)
+    _launch(
+        _rms_norm_kernel,
+        rows,
+        _norm_block(n),
+        x,
+        y,
+        weight,
+        rows,
+        x.stride(0),
+        y.stride(0),
+        n,
+        eps,
+        ADD_RESIDUAL=add_residual,
+    )
 
 
 def qk_rms_norm(
