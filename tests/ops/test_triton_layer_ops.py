@@ -3,9 +3,10 @@ path of ``model.layers`` and ``model.llama.Attention``.
 
 Without a GPU they run under ``TRITON_INTERPRET=1`` (``tests/conftest.py``), on
 widths that are not powers of two (hidden 576, heads of 80, an intermediate
-size of 1,000), rows with strides, and partial rotary. The interpreter rounds
-float32 to bfloat16 by truncation where a GPU rounds to nearest, so bfloat16
-results are compared within a unit or two in the last place.
+size of 1,000), rows with strides, and partial rotary, in float32, bfloat16 and
+float16. The interpreter rounds float32 to bfloat16 by truncation where a GPU
+rounds to nearest, so 16-bit results are compared within a unit or two in the
+last place.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from tokenloom.model.llama import Attention
 from tokenloom.ops.cuda import layer_ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.bfloat16]
+# float16: the activations on a GPU without bfloat16.
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(autouse=True, params=[2, 64], ids=["tiles of 2 rows", "tiles of 64 rows"])
