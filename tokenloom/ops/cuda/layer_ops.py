@@ -4,10 +4,10 @@ rotate-half RoPE of Q and K.
 
 Each replaces a chain of small torch kernels with one launch. They compute in
 float32 and round where the torch path (``model.layers``) rounds to the
-activations' dtype, so in bfloat16 they give its results: RMSNorm rounds the
-normalized row before the weight multiplies it, SiLU-and-mul rounds SiLU's
-output before the product (as transformers and vLLM do). RoPE rounds once, where
-torch rounds each product and sum.
+activations' dtype, so in bfloat16 they differ from it only by the order of a
+row's sum: RMSNorm rounds the normalized row before the weight multiplies it,
+SiLU-and-mul rounds SiLU's output before the product (as transformers and vLLM
+do). RoPE rounds once, where torch rounds each product and sum.
 
 The grids depend on the tensors' shapes only and nothing is read back to the
 host, so a CUDA graph captures them. Every function writes in place or into a
