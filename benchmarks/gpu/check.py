@@ -12,7 +12,8 @@ Sections (``check.sh`` runs them in this order, each in its own process):
   hits and preemption; in bfloat16 the log-probabilities of the chosen tokens
   must match transformers' within bf16 tolerance.
 - ``kernels``: one layer's attention by the Triton kernel, the torch path and
-  PyTorch's FlexAttention, on decodes, a mixed batch and long prefills.
+  PyTorch's FlexAttention, on decodes, a mixed batch and long prefills; one
+  layer's norms, RoPE and SiLU-and-mul by the Triton layer ops and the torch path.
 - ``decode``: batch-1 decode ms/token of the Llama-3.2-1B and Llama-3.1-8B
   shapes (``--load-format dummy``) in bf16, beside the floor of weight bytes
   read per token over the measured bandwidth: graphs with async scheduling (as
@@ -531,6 +532,74 @@ def section_kernels(args: argparse.Namespace, results: Results) -> None:
             flex_max_abs_diff=diff["flex"],
             triton_kv_read_bytes_per_s=kv_bytes / (timings["triton"] / 1e3),
         )
+    layer_ops_timings(args, results)
+
+
+def layer_ops_timings(args: argparse.Namespace, results: Results) -> None:
+    """One layer's element-wise ops of the 8B shape in bf16 (hidden 4096, 32 + 8
+    heads of 128, intermediate 14336) by the Triton kernels (``layer_ops=triton``)
+    and the torch path (``layer_ops=torch``): each norm with its residual add,
+    RoPE of Q and K, SiLU-and-mul."""
+    shape = (64, 128, 4, 2, 32) if args.small else (4096, 14336, 32, 8, 128)
+    reps, warmup = (1, 0) if args.small else (50, 5)
+    for tokens in (1, 3) if args.small else (1, 64, 2048):
+        with torch.inference_mode():
+            timings = {
+                op: [time_call(fn, args.device, reps, warmup) * 1e3 for fn in pair]
+                for op, pair in layer_ops_calls(tokens, *shape, args.device).items()
+            }
+        # A layer runs two norms, one RoPE, one SiLU-and-mul.
+        per_layer = [
+            sum(t[i] * (2 if op == "add_rms_norm" else 1) for op, t in timings.items())
+            for i in (0, 1)
+        ]
+        results.add(
+            section="layer_ops",
+            tokens=tokens,
+            triton_ms={op: t[0] for op, t in timings.items()},
+            torch_ms={op: t[1] for op, t in timings.items()},
+            triton_layer_ms=per_layer[0],
+            torch_layer_ms=per_layer[1],
+        )
+
+
+def layer_ops_calls(tokens, hidden, inter, heads, kv_heads, head_dim, device):
+    """{op: (the Triton call, the torch path's)} over random bf16 inputs."""
+    import torch.nn.functional as F
+
+    from tokenloom.model.layers import RMSNorm, apply_rope
+    from tokenloom.ops.cuda import layer_ops
+
+    dt = torch.bfloat16
+    norm = RMSNorm(hidden, 1e-5, dt).to(device)
+    x = torch.randn(tokens, hidden, device=device, dtype=dt)
+    residual = torch.randn(tokens, hidden, device=device, dtype=dt)
+    qk_width = (heads + kv_heads) * head_dim
+    qkv = torch.randn(tokens, qk_width + kv_heads * head_dim, device=device, dtype=dt)
+    cos = torch.rand(tokens, head_dim // 2, device=device, dtype=dt)
+    sin = torch.rand(tokens, head_dim // 2, device=device, dtype=dt)
+    gate_up = torch.randn(tokens, 2 * inter, device=device, dtype=dt)
+    act = torch.empty(tokens, inter, device=device, dtype=dt)
+
+    def torch_rope() -> torch.Tensor:
+        qk = qkv[:, :qk_width].reshape(tokens, -1, head_dim)
+        return apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1))
+
+    def torch_silu() -> torch.Tensor:
+        gate, up = gate_up.split(inter, dim=-1)
+        return F.silu(gate) * up
+
+    return {
+        "add_rms_norm": (
+            lambda: layer_ops.add_rms_norm(x, residual, norm.weight, norm.eps),
+            lambda: norm.add_and_norm(x, residual),
+        ),
+        "rotary_qk": (
+            lambda: layer_ops.rotary_qk(qkv, cos, sin, heads, kv_heads, head_dim),
+            torch_rope,
+        ),
+        "silu_and_mul": (lambda: layer_ops.silu_and_mul(act, gate_up), torch_silu),
+    }
 
 
 # ------------------------------------------------------------------- decode

@@ -1,7 +1,7 @@
 """Prefix caching, speculative decoding, structured outputs and LoRA on every device
 this machine has: the CPU always, and CUDA where a GPU is present (the GPU check,
 ``benchmarks/gpu/check.sh``, runs this module there), else the CPU again with the
-CUDA backend's Triton attention in the interpreter.
+CUDA backend's Triton attention and layer ops in the interpreter.
 
 A small random Llama with the default model's tokenizer, in float32, so that
 greedy tokens compare exactly: against transformers on the same device (prefix
@@ -31,8 +31,9 @@ from tokenloom.metrics.spec_decode import SpecDecodingSummary
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.structured_output import StructuredOutputsParams
 
-# Without a GPU, "cpu+triton" runs the CPU with the CUDA backend's attention (the
-# Triton kernels, in Triton's interpreter), the part of the CUDA path the CPU can run.
+# Without a GPU, "cpu+triton" runs the CPU with the CUDA backend's attention and
+# layer ops (the Triton kernels, in Triton's interpreter), the part of the CUDA path
+# the CPU can run.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else ["cpu+triton"])
 MAX_TOKENS = 12
 LORA_RANK = 4
@@ -44,7 +45,7 @@ def device(request: pytest.FixtureRequest) -> Iterator[str]:
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "cpu+triton":
             patch.setenv("TRITON_INTERPRET", "1")
-            patch.setenv("TOKENLOOM_FORWARD_PLAN", "attention=triton")
+            patch.setenv("TOKENLOOM_FORWARD_PLAN", "attention=triton,layer_ops=triton")
         yield request.param.removesuffix("+triton")
 
 

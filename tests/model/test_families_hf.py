@@ -27,6 +27,7 @@ from tokenloom.config import ModelConfig
 from tokenloom.model.kv_cache import allocate_kv_caches
 from tokenloom.model_loader.loader import load_model
 from tokenloom.ops.cpu_kernels import paged_attention_op
+from tokenloom.ops.cuda import layer_ops as triton_layer_ops
 
 VOCAB = 128
 COMMON = dict(
@@ -172,6 +173,31 @@ def test_matches_transformers(saved_case, native: bool) -> None:
     case, hf_model, path = saved_case
     seqs, ours = _run_ours(path, native)
     _check(ours, _full_forward(hf_model, seqs), f"{case}/{'native' if native else 'torch'}")
+
+
+@pytest.mark.parametrize("saved_case", ["gemma3", "phi3_longrope_partial"], indirect=True)
+def test_triton_layer_ops_match_transformers(saved_case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA backend's Triton layer ops (in the interpreter, ``tests/conftest.py``)
+    on the families that use them most unlike Llama: Gemma 3 (norms around each
+    sublayer, q/k norms, a second RoPE table for its sliding layers) and Phi-3
+    (partial rotary, longrope)."""
+    case, hf_model, path = saved_case
+    # The projections in torch, as on CUDA (the native matmul would compute SiLU-and-mul).
+    monkeypatch.setenv("TOKENLOOM_FORWARD_PLAN", "matmul=torch,layer_ops=triton")
+    calls: dict[str, int] = {}
+    for name in ("add_rms_norm", "rms_norm", "qk_rms_norm", "rotary_qk", "silu_and_mul"):
+        kernel = getattr(triton_layer_ops, name)
+
+        def counted(*args, _name=name, _kernel=kernel, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(triton_layer_ops, name, counted)
+    seqs, ours = _run_ours(path, native=False)
+    _check(ours, _full_forward(hf_model, seqs), f"{case}/triton")
+    expected = {"add_rms_norm", "rms_norm", "rotary_qk"}
+    expected |= {"qk_rms_norm"} if case == "gemma3" else {"silu_and_mul"}
+    assert expected <= set(calls), calls
 
 
 @pytest.mark.parametrize(

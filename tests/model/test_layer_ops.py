@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenloom.model.layers import RMSNorm, SiluMLP, apply_rope
-from tokenloom.model.llama import Attention, CausalLM
+from tokenloom.model.layers import RMSNorm, apply_rope
+from tokenloom.model.llama import CausalLM
 from tokenloom.model_loader.loader import LoadedModel
 from tokenloom.ops.cpu_kernels import layer_ops_available
 
@@ -93,9 +93,7 @@ def test_shape_errors_are_reported() -> None:
 
 
 def _set_fused(model: CausalLM, on: bool) -> None:
-    for module in model.modules():
-        if isinstance(module, (RMSNorm, SiluMLP, Attention)):
-            module.fused_ops = on
+    model.use_layer_ops("native" if on else "torch")
 
 
 @pytest.mark.e2e
@@ -103,7 +101,9 @@ def test_model_layers_agree_with_and_without_fused_ops(gguf_model: LoadedModel) 
     """(The fused RoPE path is checked against transformers by test_llama_hf.)"""
     model = cast(CausalLM, gguf_model.model)
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    assert norms and all(m.fused_ops for m in norms), "the loader should enable the fused ops"
+    assert norms and all(m.kernels is not None for m in norms), (
+        "the loader should enable the fused ops"
+    )
     hidden = model.arch.hidden_size
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, hidden, generator=g)

@@ -102,26 +102,31 @@ CUDA = replace(BFLOAT16, device="cuda", unavailable={})
 @pytest.mark.parametrize(
     ("change", "expected", "fallback"),
     [
-        ({}, ("torch", "torch", "triton", "graphs"), None),
+        ({}, ("torch", "triton", "triton", "graphs"), None),
         (
             {"enforce_eager": True},
-            ("torch", "torch", "triton", "modules"),
+            ("torch", "triton", "triton", "modules"),
             "decoder=graphs: --enforce-eager runs every step eagerly",
         ),
         (
             {"lora": True},
-            ("torch", "torch", "triton", "modules"),
+            ("torch", "triton", "triton", "modules"),
             "decoder=graphs: LoRA sets each token's adapter per step",
         ),
         (
             {"tensor_parallel": 2},
-            ("torch", "torch", "triton", "modules"),
+            ("torch", "triton", "triton", "modules"),
             "decoder=graphs: tensor-parallel ranks exchange partial sums between captured kernels",
         ),
         (
-            {"unavailable": {"attention=triton": "Triton is not installed"}},
+            {
+                "unavailable": {
+                    "attention=triton": "Triton is not installed",
+                    "layer_ops=triton": "Triton is not installed",
+                }
+            },
             ("torch", "torch", "torch", "modules"),
-            "attention=triton: Triton is not installed",
+            "layer_ops=triton: Triton is not installed",
         ),
     ],
 )
@@ -140,11 +145,22 @@ def test_triton_on_the_cpu_only_when_asked_under_the_interpreter(
 ) -> None:
     bf16 = replace(BFLOAT16, unavailable=NO_NATIVE)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert parts(bf16)[2] == "torch"  # never chosen unasked
-    assert parts(bf16, "attention=triton")[2] == "triton"
+    assert parts(bf16)[1:3] == ("torch", "torch")  # never chosen unasked
+    assert parts(bf16, "attention=triton")[1:3] == ("torch", "triton")
+    assert parts(bf16, "layer_ops=triton,attention=triton")[1:3] == ("triton", "triton")
+    # Over the native matmul's float32 activations too (the engine test's plan).
+    assert parts(FLOAT32, "layer_ops=triton") == ("native", "triton", "native", "modules")
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(ValueError, match="the Triton kernels run on CUDA"):
-        decide_plan(bf16, "attention=triton")
+    for part in ("attention", "layer_ops"):
+        with pytest.raises(ValueError, match="the Triton kernels run on CUDA"):
+            decide_plan(bf16, f"{part}=triton")
+
+
+def test_triton_layer_ops_refused_without_triton() -> None:
+    cuda = replace(CUDA, unavailable={"layer_ops=triton": "Triton is not installed"})
+    with pytest.raises(ValueError, match="layer_ops=triton cannot run here: Triton is not"):
+        decide_plan(cuda, "layer_ops=triton")
+    assert parts(cuda, "layer_ops=torch")[1:] == ("torch", "triton", "graphs")
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,8 @@ def choices(loaded: LoadedModel) -> tuple[str, str, str, str]:
 
 def fused(loaded: LoadedModel) -> set[bool]:
     """Whether the modules run the native layer ops, as a set over all of them."""
-    return {m.fused_ops for m in loaded.model.modules() if isinstance(m, (RMSNorm, GatedMLP))}
+    modules = loaded.model.modules()
+    return {m.kernels is not None for m in modules if isinstance(m, (RMSNorm, GatedMLP))}
 
 
 def one_step(loaded: LoadedModel) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The GPU check's correctness section (``benchmarks/gpu/check.py``) on the CPU:
-the CUDA backend's Triton attention, run by the engine in Triton's interpreter,
+the CUDA backend's Triton attention and layer ops, run by the engine in Triton's interpreter,
 against transformers, over a batch that takes chunked prefill, prefix hits and
 preemption. GPU time is rare: the script must not fail there for a reason the
 CPU could have shown."""
@@ -20,7 +20,7 @@ def test_correctness_section_runs_the_triton_path(
     default_hf_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TOKENLOOM_FORWARD_PLAN", "attention=triton")
+    monkeypatch.setenv("TOKENLOOM_FORWARD_PLAN", "attention=triton,layer_ops=triton")
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "gpu"))
     sys.modules.pop("check", None)
     import check
@@ -42,7 +42,7 @@ def test_correctness_section_runs_the_triton_path(
         (family, dtype) for family in ("llama", "qwen3") for dtype in ("float32", "bfloat16")
     }
     for record in records:
-        assert "attention=triton" in record["plan"], record["plan"]
+        assert "layer_ops=triton" in record["plan"] and "attention=triton" in record["plan"], record
         assert record["ok"], record
         assert record["preemptions"] > 0 and record["cached_tokens"] > 0, record
 
@@ -64,14 +64,21 @@ def test_kernels_section_compares_flex_attention(
     default_hf_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Triton (interpreted), the torch path and FlexAttention attend the same
-    batches alike, and each is timed."""
+    batches alike, and each is timed; so are the layer ops, Triton and torch."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "gpu"))
     records = _run_check("kernels", tmp_path, default_hf_model_dir)
-    assert [r["case"] for r in records] == ["decode 4 x 40", "mixed"]
-    for record in records:
+    attention = [r for r in records if r["section"] == "kernels"]
+    assert [r["case"] for r in attention] == ["decode 4 x 40", "mixed"]
+    for record in attention:
         assert record["max_abs_diff"] < 0.05 and record["flex_max_abs_diff"] < 0.05, record
         assert min(record["triton_ms"], record["torch_ms"], record["flex_ms"]) > 0, record
+    layer_ops = [r for r in records if r["section"] == "layer_ops"]
+    assert [r["tokens"] for r in layer_ops] == [1, 3]
+    for record in layer_ops:
+        ops = {"add_rms_norm", "rotary_qk", "silu_and_mul"}
+        assert set(record["triton_ms"]) == set(record["torch_ms"]) == ops, record
+        assert min(record["triton_layer_ms"], record["torch_layer_ms"]) > 0, record
 
 
 @pytest.mark.e2e

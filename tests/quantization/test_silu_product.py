@@ -62,7 +62,7 @@ def test_halves_that_are_not_whole_panels_run_unfused() -> None:
     x = torch.randn(9, 70, generator=gen)
     mlp = GatedMLP(70, 24, torch.float32)
     mlp.gate_up_proj = QuantLinear(weight)
-    mlp.fused_ops = True
+    mlp.kernels = torch.ops.tokenloom_cpu
     assert not mlp.gate_up_proj.has_silu_product
     expected = mlp.down_proj(projection_then_silu(x, weight))
     assert torch.equal(mlp(x), expected)
@@ -81,7 +81,7 @@ def test_llama_mlp_on_quantized_weights_uses_the_fused_activation() -> None:
     mlp.down_proj = QuantLinear(
         PanelWeight.from_rows(quantize_float(torch.randn(64, 96, generator=gen), "int8"))
     )
-    mlp.fused_ops = True
+    mlp.kernels = torch.ops.tokenloom_cpu
     assert mlp.gate_up_proj.has_silu_product
     x = torch.randn(11, 64, generator=gen)
     expected = mlp.down_proj(projection_then_silu(x, mlp.gate_up_proj.qweight))

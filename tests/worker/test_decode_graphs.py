@@ -41,7 +41,12 @@ def model(tmp_path_factory: pytest.TempPathFactory):
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny")
     LlamaForCausalLM(config).save_pretrained(path)
-    return load_model(ModelConfig(model=str(path), dtype="float32")).model
+    # The kernels a decode graph captures on CUDA (Triton's, interpreted on the CPU).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TOKENLOOM_FORWARD_PLAN", "matmul=torch,layer_ops=triton,attention=triton")
+        loaded = load_model(ModelConfig(model=str(path), dtype="float32"))
+    assert (loaded.plan.layer_ops, loaded.plan.attention) == ("triton", "triton")
+    return loaded.model
 
 
 def kernel_meta(query_lens, seq_lens, table, slots):

@@ -20,21 +20,23 @@ from torch import nn
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight, computed in float32 like the reference models.
 
-    With ``fused_ops`` set (the forward plan's layer_ops=native, see
-    ``CausalLM.use_fused_layer_ops``) it runs the native kernels of ``csrc/layer_ops.cpp``.
+    ``kernels`` (set by ``CausalLM.use_layer_ops`` from the forward plan's
+    layer_ops) is the namespace of fused kernels that replace the torch ops:
+    ``torch.ops.tokenloom_cpu`` (native, ``csrc/layer_ops.cpp``) or
+    ``ops.cuda.layer_ops`` (Triton); both take the same arguments.
     """
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
-        self.fused_ops = False
+        self.kernels: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_ops:
-            rows = x.reshape(-1, x.shape[-1])  # the kernel takes [T, n] (q/k norms: [T*H, D])
+        if self.kernels is not None:
+            rows = x.reshape(-1, x.shape[-1])  # the kernels take [T, n] (q/k norms: [T*H, D])
             out = torch.empty_like(rows)
-            torch.ops.tokenloom_cpu.rms_norm(out, rows, self.weight, self.eps)
+            self.kernels.rms_norm(out, rows, self.weight, self.eps)
             return out.view(x.shape)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -46,10 +48,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): a sublayer's output joins the residual
-        stream, which is normalized for the next one. The fused kernel reuses the
+        stream, which is normalized for the next one. The fused kernels reuse the
         storage of both inputs, which the caller must own."""
-        if self.fused_ops:
-            torch.ops.tokenloom_cpu.add_rms_norm(x, residual, self.weight, self.eps)
+        if self.kernels is not None:
+            self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
             return x, residual
         residual = x + residual
         return self(residual), residual
@@ -226,8 +228,8 @@ class SiluProductLinear(Protocol):
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul: SwiGLU
-    (``silu``; with ``fused_ops`` the activation is one native kernel) or GeGLU
-    (``gelu_pytorch_tanh``, Gemma)."""
+    (``silu``; with ``kernels`` set, as ``RMSNorm``'s, the activation is one fused
+    kernel) or GeGLU (``gelu_pytorch_tanh``, Gemma)."""
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, act: str = "silu"
@@ -239,20 +241,20 @@ class GatedMLP(nn.Module):
         self.act = act
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
-        self.fused_ops = False
+        self.kernels: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activation(x))
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         """act(gate(x)) * up(x), the down projection's input."""
-        if self.act == "silu" and self.fused_ops:
+        if self.act == "silu" and self.kernels is not None:
             gate_up_proj = self.gate_up_proj
             if getattr(gate_up_proj, "has_silu_product", False):
                 return cast(SiluProductLinear, gate_up_proj).silu_product(x)
             gate_up = gate_up_proj(x)
             act = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
-            torch.ops.tokenloom_cpu.silu_and_mul(act, gate_up)
+            self.kernels.silu_and_mul(act, gate_up)
             return act
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         if self.act == "silu":

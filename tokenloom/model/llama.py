@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -89,7 +89,9 @@ class Attention(nn.Module):
         if arch.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype)
-        self.fused_ops = False  # RoPE by the native kernel (see CausalLM.use_fused_layer_ops)
+        # The forward plan's layer_ops and its kernels (see CausalLM.use_layer_ops).
+        self.layer_ops = "torch"
+        self.kernels: Any = None
 
     @property
     def takes_native_kernel(self) -> bool:
@@ -100,6 +102,16 @@ class Attention(nn.Module):
     def norm_qk(self, qkv: torch.Tensor) -> None:
         """Normalize each q and k head of ``qkv`` [T, q + k + v] in place."""
         assert self.q_norm is not None and self.k_norm is not None
+        if self.layer_ops == "triton":
+            self.kernels.qk_rms_norm(
+                qkv,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.num_heads,
+                self.num_kv_heads,
+                self.q_norm.eps,
+            )
+            return
         qk = qkv[:, : self.q_size + self.kv_size].view(qkv.shape[0], -1, self.head_dim)
         qk[:, : self.num_heads] = self.q_norm(qk[:, : self.num_heads])
         qk[:, self.num_heads :] = self.k_norm(qk[:, self.num_heads :])
@@ -107,14 +119,20 @@ class Attention(nn.Module):
     def rope(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) from ``qkv``, q and k rotated."""
+        """(q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) from ``qkv``, q and k rotated
+        (by the Triton kernel in place: q and k are then views of ``qkv``)."""
         num_tokens = qkv.shape[0]
-        if self.fused_ops and self.rotary_dim == self.head_dim:
+        if self.layer_ops == "triton":
+            heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+            cos, sin = cos.reshape(num_tokens, -1), sin.reshape(num_tokens, -1)
+            self.kernels.rotary_qk(qkv, cos, sin, *heads)
+            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size]
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        elif self.layer_ops == "native" and self.rotary_dim == self.head_dim:
             q = qkv.new_empty(num_tokens, self.num_heads, self.head_dim)
             k = qkv.new_empty(num_tokens, self.num_kv_heads, self.head_dim)
-            torch.ops.tokenloom_cpu.rotary_qk(
-                q, k, qkv, cos.view(num_tokens, -1), sin.view(num_tokens, -1)
-            )
+            self.kernels.rotary_qk(q, k, qkv, cos.view(num_tokens, -1), sin.view(num_tokens, -1))
         else:
             qk = qkv[:, : self.q_size + self.kv_size].reshape(num_tokens, -1, self.head_dim)
             # Q and K rotate together: one RoPE call over H + Hkv heads.
@@ -298,12 +316,25 @@ class CausalLM(nn.Module):
             self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         )
 
-    def use_fused_layer_ops(self) -> None:
-        """Run RMSNorm (with its residual add), SiLU-and-mul and RoPE through the
-        native CPU kernels (the forward plan's layer_ops=native)."""
+    def use_layer_ops(self, choice: str) -> None:
+        """Run RMSNorm (with its residual add; per q/k head), SiLU-and-mul and RoPE
+        through the forward plan's layer_ops: ``native`` (the CPU kernels of
+        ``csrc/layer_ops.cpp``), ``triton`` (``ops.cuda.layer_ops``) or ``torch``."""
+        kernels: Any = None
+        if choice == "native":
+            kernels = torch.ops.tokenloom_cpu
+        elif choice == "triton":
+            # Imported here only: a process that never runs Triton does not load it.
+            from tokenloom.ops.cuda import layer_ops
+
+            kernels = layer_ops
+        elif choice != "torch":
+            raise ValueError(f"unknown layer_ops {choice!r}")
         for module in self.modules():
             if isinstance(module, (RMSNorm, GatedMLP, Attention)):
-                module.fused_ops = True
+                module.kernels = kernels
+            if isinstance(module, Attention):
+                module.layer_ops = choice
 
     def forward(
         self,

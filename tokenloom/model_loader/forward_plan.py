@@ -13,8 +13,10 @@ The parts, each with its choices best first (``torch`` and ``modules`` always ru
   the dense kernel, ``model.panel_linear``), ``mkl`` (float32 weights
   prepacked for MKL's sgemm, ``model.packed_linear``), ``torch`` (``F.linear``;
   quantized weights dequantized per call);
-- ``layer_ops``, RMSNorm with its residual add, SiLU-and-mul, RoPE and the K/V
-  write: ``native`` (``ops.cpu_kernels``) or ``torch``;
+- ``layer_ops``, RMSNorm with its residual add (and per q/k head), SiLU-and-mul
+  and RoPE: on CUDA ``triton`` (one launch each, ``ops.cuda.layer_ops``) or
+  ``torch``; on the CPU ``native`` (``csrc/layer_ops.cpp``) or ``torch``, and
+  ``triton`` only when asked for, under ``TRITON_INTERPRET=1``;
 - ``attention``: on CUDA ``triton`` (one launch per layer for the whole batch,
   ``ops.cuda.paged_attention``) or ``torch``; on the CPU ``native`` (the CPU
   kernel reads K/V in place for every request of at most ``NATIVE_MAX_QUERY``
@@ -138,14 +140,16 @@ def parse_override(text: str | None) -> dict[str, str]:
 def choices(part: str, inputs: PlanInputs) -> tuple[str, ...]:
     """The choices of ``part`` for these weights, best first."""
     if inputs.device == "cuda" and not inputs.quantized:
-        return {"attention": ("triton", "torch"), "decoder": ("graphs", "modules")}.get(
-            part, ("torch",)
-        )
+        return {
+            "layer_ops": ("triton", "torch"),
+            "attention": ("triton", "torch"),
+            "decoder": ("graphs", "modules"),
+        }.get(part, ("torch",))
     if part == "matmul":
         return ("native", "torch") if inputs.quantized else ("native", "mkl", "torch")
     if part == "decoder":
         return ("stack", "modules")
-    if part == "attention" and not inputs.quantized:
+    if part in ("layer_ops", "attention") and not inputs.quantized:
         # Asked for only: the CUDA kernels on the CPU, in Triton's interpreter, for tests.
         return ("native", "torch", "triton")
     return ("native", "torch")
@@ -216,7 +220,7 @@ def _why_not(part: str, choice: str, inputs: PlanInputs, chosen: Mapping[str, st
             return "tensor-parallel ranks exchange partial sums inside each layer"
         if inputs.lora:
             return "LoRA adds its updates to the modules' projections"
-    if part == "attention" and choice == "triton" and inputs.device != "cuda":
+    if choice == "triton" and inputs.device != "cuda":
         if os.environ.get("TRITON_INTERPRET") != "1":
             return "the Triton kernels run on CUDA (on the CPU under TRITON_INTERPRET=1 only)"
     if part == "decoder" and choice == "graphs":

@@ -204,8 +204,10 @@ def plan_inputs(
         )
     if not quantized and not prepacking_available(device, weights_dtype):
         unavailable["matmul=mkl"] = "MKL's packed sgemm serves float32 on a CPU build with MKL"
-    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
-        unavailable["attention=triton"] = "Triton is not installed"
+    if importlib.util.find_spec("triton") is None:
+        unavailable["attention=triton"] = unavailable["layer_ops=triton"] = (
+            "Triton is not installed"
+        )
     refusal = DecoderStack.refusal(model)
     if refusal is not None:
         unavailable["decoder=stack"] = refusal
@@ -252,7 +254,6 @@ def apply_plan(model: CausalLM, plan: ForwardPlan) -> None:
     elif plan.matmul == "native" and not plan.quantized:
         model.pack_weights()
     use_native_matmul(model, plan.matmul == "native")
-    if plan.layer_ops == "native":
-        model.use_fused_layer_ops()
+    model.use_layer_ops(plan.layer_ops)
     if plan.decoder == "stack":
         model.decoder_stack = DecoderStack(model)
