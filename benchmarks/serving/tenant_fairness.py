@@ -22,7 +22,13 @@ the scheduler and the batch's bookkeeping cost, so a busy shared machine
 still gets through the flood in minutes, and the figures show the queueing,
 not the matrix products.
 
+A request that arrives while a step runs waits for it, so the servers' step
+budget (``--max-num-batched-tokens`` in ``--serve-args``) bounds B's wait
+beside the flood; run it at two budgets to see what a smaller one costs:
+
     .venv/bin/python benchmarks/serving/tenant_fairness.py --repeats 3
+    .venv/bin/python benchmarks/serving/tenant_fairness.py --repeats 3 --serve-args \
+        "--max-num-seqs 32 --max-num-batched-tokens 128 --num-blocks 1024 --max-model-len 512"
     .venv/bin/python benchmarks/serving/tenant_fairness.py --repeats 3 --tiny
 """
 
