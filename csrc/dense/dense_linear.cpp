@@ -292,15 +292,49 @@ inline int64_t busiest_vecs(int64_t vecs, int64_t per_unit) {
   return (units + threads - 1) / threads * per_unit;
 }
 
-// dense_gemm with the tile shape for `rows`: wide units with few rows where
-// every unit still splits evenly into gate and up vectors, and the threads'
-// shares stay as even as with narrow units (a small matrix has few units).
+// y [rows, n_out] for rows <= MR (a decode step): the output vectors split
+// evenly between the threads, one contiguous run each, and every run in wide
+// tiles of NV vectors, the last narrower. Units of a fixed width would either
+// split a small matrix unevenly (the threads meet at the matmul's end) or,
+// narrow, leave each tile too few accumulator chains to hide their latency.
+template <Kind K, int NV, int MR>
+void dense_few_rows(const uint8_t* panels, int64_t words, int64_t n_out, const DenseActs& a,
+                    int64_t rows, float* y) {
+  const int64_t vecs = (n_out + kRowsPerVec - 1) / kRowsPerVec;
+  const int64_t panel_bytes = words * kWordStep;
+  at::parallel_for(0, vecs, 1, [&](int64_t begin, int64_t end) {
+    const FlushDenormals flush;
+    alignas(64) float out[MR * NV * kRowsPerVec];
+    const uint8_t* w[NV];
+    for (int64_t v0 = begin; v0 < end; v0 += NV) {
+      const int64_t nv = std::min<int64_t>(NV, end - v0);
+      for (int64_t j = 0; j < nv; ++j) {
+        const int64_t row = (v0 + j) * kRowsPerVec;
+        w[j] = panels + row / kPanel * panel_bytes + row % kPanel * kWordBytes;
+      }
+      any_tile<K, NV, MR>(rows, nv, w, words, a.data, a.stride, out);
+      const int64_t n0 = v0 * kRowsPerVec, count = std::min(nv * kRowsPerVec, n_out - n0);
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(y + r * n_out + n0, out + r * nv * kRowsPerVec, count * sizeof(float));
+      }
+    }
+  });
+}
+
+// dense_gemm with the tile shape for `rows`: few rows without silu pairs as
+// dense_few_rows; with them, wide units where every unit still splits evenly
+// into gate and up vectors, and the threads' shares stay as even as with
+// narrow units (a small matrix has few units).
 template <Kind K>
 void dense_gemm_any(const uint8_t* panels, int64_t words, int64_t n_out, const DenseActs& a,
                     int64_t rows, float* y, bool silu_pairs) {
+  if (rows <= kTileM / 2 && !silu_pairs) {
+    dense_few_rows<K, kWideVecsPerUnit, kTileM / 2>(panels, words, n_out, a, rows, y);
+    return;
+  }
   const int64_t vecs = (n_out + kRowsPerVec - 1) / kRowsPerVec;
   const bool wide = rows <= kTileM / 2 &&
-                    (!silu_pairs || n_out / 2 / kRowsPerVec % (kWideVecsPerUnit / 2) == 0) &&
+                    n_out / 2 / kRowsPerVec % (kWideVecsPerUnit / 2) == 0 &&
                     busiest_vecs(vecs, kWideVecsPerUnit) <= busiest_vecs(vecs, kVecsPerUnit);
   if (wide) {
     dense_gemm<K, kWideVecsPerUnit, kTileM / 2>(panels, words, n_out, a, rows, y, silu_pairs);

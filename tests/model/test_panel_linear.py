@@ -149,6 +149,31 @@ def test_few_rows_in_wide_tiles_sum_as_many_rows_do(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_few_rows_split_by_vectors_between_threads(dtype: torch.dtype, threads: int) -> None:
+    """A decode's few rows split the output vectors evenly between the threads,
+    each run in wide tiles and a narrower last one: whatever the split, each row
+    equals the same row among many (which run in fixed units)."""
+    k = 40
+    x = torch.randn(24, k, generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for vecs in (1, 5, 9, 15, 22):
+            for n in (16 * vecs, 16 * vecs - 3):
+                plain = weight(n, k, dtype)
+                w = pack_panels(plain)
+                many = torch.ops.tokenloom_cpu.dense_linear(x, w, k, n)
+                assert_fp32_close(many, reference(x, plain), k)
+                for rows in range(1, 6):
+                    assert torch.equal(
+                        torch.ops.tokenloom_cpu.dense_linear(x[:rows], w, k, n), many[:rows]
+                    ), (n, rows)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 5, 130])
 def test_the_fused_activation_equals_projection_then_silu(dtype: torch.dtype, rows: int) -> None:
     n, k = 96, 40  # each half three panels
