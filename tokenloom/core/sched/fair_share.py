@@ -29,9 +29,10 @@ running batch (``reclaim_victim``), and whether a tenant behind its share that
 has just sent a request gets the next step to itself (``express_tenants``).
 It keeps the scheduler's running list in arrival order (``admitted``). With
 one tenant busy every answer is FCFS's (only a resumed request's place in the
-running list differs), and charging a step costs O(1); with several, a step is charged one token per running
-request of each tenant, corrected for the requests that got more or none
-(``charge_running``), or recounted when it preempted.
+running list differs), and charging a step costs O(1); with several, a step is
+charged one token per running request of each tenant, corrected for the
+requests that got more or none (``charge_running``), or recounted when it
+preempted.
 
 Everything a step reads is kept up to date as requests come and go rather
 than recomputed per step: each tenant's running requests with their virtual
@@ -251,19 +252,20 @@ class FairShare:
         """
         if self.steps_since_express < EXPRESS_SPACING:
             return None
-        names: set[str] | None = None
-        for name, share in self.queued.items():
-            if not share.num_running and share.waiting[0].status is _WAITING:
-                if names is None:
-                    names = set()
-                names.add(name)
-        if names is None:
+        # Queued tenants first: usually few, and usually none qualify.
+        idle = [
+            share
+            for share in self.queued.values()
+            if not share.num_running and share.waiting[0].status is _WAITING
+        ]
+        if not idle:
             return None
-        busy = [share.vtime for share in self.active.values() if share.num_running]
-        if not busy:
+        lowest_busy = min(
+            (share.vtime for share in self.active.values() if share.num_running), default=None
+        )
+        if lowest_busy is None:
             return None
-        lowest_busy = min(busy)
-        return {name for name in names if self.active[name].vtime < lowest_busy} or None
+        return {share.name for share in idle if share.vtime < lowest_busy} or None
 
     def pick_victim(self, running: list[Request]) -> int:
         """Index of the running request to preempt: the one with the latest virtual
