@@ -23,10 +23,15 @@
 //
 // A tile is up to kTileM activation rows by two vectors of output rows (two
 // panels with AVX-512, one panel's two halves with AVX2), accumulated in
-// registers over every word of K. With few rows (a decode step) a tile is
-// four vectors by at most kTileM / 2 rows instead: each accumulator is one
-// dependent chain of multiply-adds, and two chains a row leave the FMA or
-// `vdpbf16ps` pipes waiting on their latency rather than on the weights.
+// registers over every word of K. With few rows (a decode step) the weights'
+// bytes bound the time, not the arithmetic: a tile is one panel by at most
+// kTileM / 2 rows, so that each thread reads one panel after another, one
+// address stream that the hardware prefetcher follows at full speed (with two
+// to four panels read side by side, or software prefetches ahead of them, a
+// Zen 4 core streamed a fifth to a third slower). One dependent chain of
+// `vdpbf16ps` a row still reads 64 bytes every few cycles, more than a core's
+// share of DRAM bandwidth. The SwiGLU product, whose tile needs gate and up
+// vectors together, reads four vectors side by side.
 // Every shape runs the same per-lane loop, each activation row and output
 // row with its own accumulator over the words in order: a row's result
 // depends neither on the rows beside it, nor on the tile's width, nor on the
@@ -54,9 +59,6 @@ constexpr int64_t kWordBytes = 4;                   // bytes of one row per word
 constexpr int64_t kWordStep = kPanel * kWordBytes;  // one word of a panel's rows
 constexpr int kVecsPerUnit = 2;                     // output vectors per tile
 constexpr int kWideVecsPerUnit = 4;                 // the same with few rows
-// As in the quantized kernel: a batch-1 step streams each matrix from L3 or
-// DRAM once, and the hardware prefetcher restarts at every 4 KB page.
-constexpr int64_t kPrefetchBytes = 4096;
 
 #if defined(__AVX512F__)
 constexpr int64_t kRowsPerVec = 16;  // output rows (float lanes) per vector
@@ -93,6 +95,7 @@ inline void store_f(float* p, fvec_t v) { _mm256_storeu_ps(p, v); }
 #else
 #error "the dense kernel needs AVX2 (see tokenloom/ops/cpu_variants.py)"
 #endif
+constexpr int kVecsPerPanel = kPanel / kRowsPerVec;  // a few-rows tile: one panel
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define TL_BF16_DOT 1
@@ -122,10 +125,6 @@ __attribute__((noinline)) void dense_tile(const uint8_t* const* w, int64_t words
   for (int j = 0; j < NV; ++j) wp[j] = w[j];
 #pragma GCC unroll 2
   for (int64_t t = 0; t < words; ++t) {
-    for (int j = 0; j < NV; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp[j] + t * kWordStep + kPrefetchBytes),
-                   _MM_HINT_T0);
-    }
     if constexpr (K == Kind::kFloat32) {
       const float* xt = static_cast<const float*>(x) + t;
       fvec_t wv[NV];
@@ -293,10 +292,10 @@ inline int64_t busiest_vecs(int64_t vecs, int64_t per_unit) {
 }
 
 // y [rows, n_out] for rows <= MR (a decode step): the output vectors split
-// evenly between the threads, one contiguous run each, and every run in wide
-// tiles of NV vectors, the last narrower. Units of a fixed width would either
-// split a small matrix unevenly (the threads meet at the matmul's end) or,
-// narrow, leave each tile too few accumulator chains to hide their latency.
+// evenly between the threads, one contiguous run each, read in tiles of NV
+// vectors (one panel: see the top of this file), the last narrower. Units of a
+// fixed width handed out in turn would split a small matrix unevenly, and the
+// threads would meet at the matmul's end.
 template <Kind K, int NV, int MR>
 void dense_few_rows(const uint8_t* panels, int64_t words, int64_t n_out, const DenseActs& a,
                     int64_t rows, float* y) {
@@ -329,7 +328,7 @@ template <Kind K>
 void dense_gemm_any(const uint8_t* panels, int64_t words, int64_t n_out, const DenseActs& a,
                     int64_t rows, float* y, bool silu_pairs) {
   if (rows <= kTileM / 2 && !silu_pairs) {
-    dense_few_rows<K, kWideVecsPerUnit, kTileM / 2>(panels, words, n_out, a, rows, y);
+    dense_few_rows<K, kVecsPerPanel, kTileM / 2>(panels, words, n_out, a, rows, y);
     return;
   }
   const int64_t vecs = (n_out + kRowsPerVec - 1) / kRowsPerVec;

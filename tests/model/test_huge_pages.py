@@ -113,3 +113,43 @@ def test_cpu_kv_caches_sit_on_huge_pages() -> None:
     caches = allocate_kv_caches(arch, 512, 16, torch.float32, "cpu")  # 6 MB a tensor
     for k, v in caches:
         assert "hg" in mapping_flags(k.data_ptr()) and "hg" in mapping_flags(v.data_ptr())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="smaps is Linux's")
+def test_weight_arena_packs_small_tensors_side_by_side_on_huge_pages() -> None:
+    arena = huge_pages.WeightArena()
+    sources = [torch.randn(37, 11), torch.randn(300, 64).bfloat16(), torch.randn(5)]
+    placed = [arena.place(t) for t in sources]
+    for source, copy in zip(sources, placed, strict=True):
+        assert copy.dtype == source.dtype and copy.is_contiguous() and torch.equal(copy, source)
+        assert copy.data_ptr() != source.data_ptr() and copy.data_ptr() % 64 == 0
+        assert "hg" in mapping_flags(copy.data_ptr())
+    # One chunk, in placement order, each right after the previous (to a cache line).
+    ends = [t.data_ptr() + t.numel() * t.element_size() for t in placed]
+    for end, following in zip(ends, placed[1:], strict=False):
+        assert 0 <= following.data_ptr() - end < 64
+    assert mapping_field(placed[0].data_ptr(), "Size") == mapping_field(
+        placed[2].data_ptr(), "Size"
+    )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="smaps is Linux's")
+def test_weight_arena_gives_a_tensor_larger_than_a_chunk_its_own_mapping() -> None:
+    arena = huge_pages.WeightArena()
+    small = arena.place(torch.ones(16))
+    large = arena.place(torch.full((huge_pages.WeightArena.CHUNK_BYTES // 4 + 1,), 3.0))
+    assert bool(large.eq(3.0).all())
+    assert "hg" in mapping_flags(large.data_ptr())
+    size_kb = int(mapping_field(large.data_ptr(), "Size")[0])
+    assert size_kb * 1024 >= large.numel() * 4 and size_kb * 1024 % huge_pages.HUGE_PAGE_BYTES == 0
+    assert small.sum().item() == 16.0  # the earlier chunk is untouched
+    del arena
+    gc.collect()
+    assert small.sum().item() == 16.0 and large[-1].item() == 3.0  # alive through the tensors
+
+
+def test_weight_arena_leaves_other_devices_and_empty_tensors_alone() -> None:
+    arena = huge_pages.WeightArena()
+    meta = torch.empty(4 << 20, device="meta")
+    empty = torch.empty(0, 16)
+    assert arena.place(meta) is meta and arena.place(empty) is empty

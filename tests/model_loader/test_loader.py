@@ -4,6 +4,7 @@ sets the model up for it; ``TOKENLOOM_FORWARD_PLAN`` changes what runs."""
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from tests.model.harness import BlockAllocator, Seq, run_step
+from tests.model.test_huge_pages import mapping_flags
 from tests.quantization.blocks import write_tiny_gguf
 from tokenloom.config import ModelConfig
 from tokenloom.model.arch_reader import load_arch_config
@@ -101,6 +103,9 @@ def test_float_weights_are_packed_in_their_dtype_and_run_as_one_stack(
     assert model.embed_tokens.weight_panels is model.logits_head.weight_panels
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, PanelLinear) and qkv.weight_panels.dtype == dtype
+    if sys.platform.startswith("linux"):  # streamed from huge pages (huge_pages.WeightArena)
+        panels = [m.weight_panels.panels for m in model.modules() if isinstance(m, PanelLinear)]
+        assert len(panels) > 1 and all("hg" in mapping_flags(p.data_ptr()) for p in panels)
     # Norms compute with the float32 activations.
     assert {p.dtype for n, p in model.named_parameters() if "norm" in n} == {torch.float32}
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())

@@ -23,6 +23,12 @@ come as they are first written.
 
 Elsewhere (other devices, no ``MADV_HUGEPAGE``, tensors under one huge page)
 this is ``torch.zeros``.
+
+A batch-1 decode streams every weight matrix from DRAM once per step, and on
+4 KB pages the hardware prefetcher stops at every page's end: ``WeightArena``
+places weights on huge pages too. Most matrices are smaller than one, so the
+arena packs them side by side into shared huge-page chunks; only the pages
+written are faulted in, so a chunk's unused end costs no memory.
 """
 
 from __future__ import annotations
@@ -75,6 +81,36 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
         _pending.append(_populator.submit(_populate, memory, nbytes))
     # The tensor holds a reference to the mapping, which lives as long as it does.
     return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
+
+
+class WeightArena:
+    """Copies of CPU tensors placed side by side on huge pages (see the module's
+    docstring); a copy keeps its chunk alive as long as it lives."""
+
+    CHUNK_BYTES = 32 << 20
+    ALIGN = 64  # a cache line: a matrix's rows start on one
+
+    def __init__(self) -> None:
+        self._chunk: mmap.mmap | None = None
+        self._used = 0
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy of ``tensor`` in the arena (``tensor`` itself where huge
+        pages cannot help: another device, or a kernel without the advice)."""
+        if tensor.device.type != "cpu" or tensor.numel() == 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
+            return tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        start = -self._used % self.ALIGN + self._used
+        if self._chunk is None or start + nbytes > len(self._chunk):
+            size = max(self.CHUNK_BYTES, -nbytes % HUGE_PAGE_BYTES + nbytes)
+            self._chunk = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._chunk.madvise(mmap.MADV_HUGEPAGE)
+            start = 0
+        self._used = start + nbytes
+        placed = torch.frombuffer(
+            self._chunk, dtype=tensor.dtype, count=tensor.numel(), offset=start
+        ).view(tensor.shape)
+        return placed.copy_(tensor)
 
 
 @functools.cache

@@ -29,6 +29,7 @@ from torch import nn
 
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.attention import AttentionMetadata, paged_attention
+from tokenloom.model.huge_pages import WeightArena
 from tokenloom.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 from tokenloom.model.packed_linear import PackedLinear, prepack_linears
 from tokenloom.model.panel_linear import DensePanels, PanelEmbedding, PanelLinear, pack_linears
@@ -299,11 +300,15 @@ class CausalLM(nn.Module):
     def pack_weights(self) -> None:
         """Every matrix in panels for the native dense kernel (the forward plan's
         matmul=native on float weights, see ``panel_linear``), in its own dtype; the
-        embedding gathers from the panels the LM head multiplies by when tied."""
-        pack_linears(self.layers)
-        embed = DensePanels.from_weight(self.embed_tokens.weight)
+        embedding gathers from the panels the LM head multiplies by when tied. All on
+        huge pages (``huge_pages.WeightArena``), which a batch-1 step streams faster."""
+        arena = WeightArena()
+        pack_linears(self.layers, arena)
+        embed = DensePanels.from_weight(self.embed_tokens.weight, arena)
         self.embed_tokens = PanelEmbedding(embed)  # type: ignore[assignment]
-        head = embed if self.lm_head is None else DensePanels.from_weight(self.lm_head.weight)
+        head = (
+            embed if self.lm_head is None else DensePanels.from_weight(self.lm_head.weight, arena)
+        )
         self.logits_head = PanelLinear(head)
         if self.lm_head is not None:
             self.lm_head = self.logits_head  # type: ignore[assignment]

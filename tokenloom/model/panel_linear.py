@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenloom.model.huge_pages import WeightArena
+
 PANEL = 16  # output rows per panel
 _WORD_BYTES = 4
 # The dtypes the kernel keeps weights in.
@@ -118,8 +120,12 @@ class DensePanels:
     out_features: int
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor) -> DensePanels:
-        return cls(pack_panels(weight.detach()), weight.shape[1], weight.shape[0])
+    def from_weight(cls, weight: torch.Tensor, arena: WeightArena | None = None) -> DensePanels:
+        """``weight`` [out, in] packed, on ``arena``'s huge pages where given."""
+        panels = pack_panels(weight.detach())
+        if arena is not None:
+            panels = arena.place(panels)
+        return cls(panels, weight.shape[1], weight.shape[0])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -205,17 +211,19 @@ def panel_weight_bytes(module: nn.Module) -> int:
     return sum(seen.values())
 
 
-def pack_linears(module: nn.Module) -> int:
+def pack_linears(module: nn.Module, arena: WeightArena | None = None) -> int:
     """Replace every ``nn.Linear`` under ``module`` by a ``PanelLinear`` of its
-    weight (and bias, as float32), freeing the original; returns how many."""
+    weight (on ``arena`` where given) and bias (as float32), freeing the original;
+    returns how many."""
     replaced = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             bias = None if child.bias is None else child.bias.detach().float()
-            setattr(module, name, PanelLinear(DensePanels.from_weight(child.weight), bias))
+            weight = DensePanels.from_weight(child.weight, arena)
+            setattr(module, name, PanelLinear(weight, bias))
             replaced += 1
         else:
-            replaced += pack_linears(child)
+            replaced += pack_linears(child, arena)
     return replaced
 
 
