@@ -9,6 +9,7 @@ cache dtype serving gives it by default (bfloat16)."""
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from tests.model.harness import BlockAllocator, Seq, run_step
+from tests.model.test_huge_pages import mapping_flags
 from tests.quantization.blocks import write_tiny_gguf
 from tokenloom.config import ModelConfig
 from tokenloom.model.dtype import resolve_kv_cache_dtype
@@ -114,6 +116,9 @@ def test_default_gguf_runs_quantized_in_a_quarter_of_the_memory(
     assert isinstance(model.layers[0].mlp.down_proj, QuantLinear)
     assert isinstance(model.embed_tokens, QuantEmbedding)
     assert model.logits_head.qweight is model.embed_tokens.qweight  # tied head, one copy
+    if sys.platform.startswith("linux"):  # streamed from huge pages (huge_pages.WeightArena)
+        codes = [m.qweight.qweight for m in model.modules() if isinstance(m, QuantLinear)]
+        assert len(codes) > 1 and all("hg" in mapping_flags(c.data_ptr()) for c in codes)
     dequantized = load_model(ModelConfig(model=None, dtype="float32"))
     resident = quantized_weight_bytes(model) + float_weight_bytes(model)
     assert resident <= float_weight_bytes(dequantized.model) / 4

@@ -27,6 +27,7 @@ from torch import nn
 from tokenloom.config import ModelConfig
 from tokenloom.model.arch_config import ModelArchConfig
 from tokenloom.model.gguf_loader import GGUFTensor, iter_gguf_tensors
+from tokenloom.model.huge_pages import WeightArena
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.safetensors_loader import iter_safetensors
 from tokenloom.quantization.formats import (
@@ -165,6 +166,7 @@ def load_quantized(
     map_name = model._map_name  # HF name -> (our parameter, row offset, parts)
     pending: dict[str, list[tuple[int, QuantizedWeight]]] = {}
     weights: dict[str, PanelWeight] = {}
+    arena = WeightArena()  # every matrix on huge pages, which a batch-1 step streams faster
 
     def floats(stream: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:
         for hf_name, value in stream:
@@ -178,6 +180,7 @@ def load_quantized(
                     weights[name] = PanelWeight.from_rows(
                         concat_rows([w for _, w in sorted(got, key=lambda p: p[0])]),
                         act_group_for(name),
+                        arena,
                     )
             else:
                 yield hf_name, value

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloom.model.huge_pages import WeightArena
 from tokenloom.quantization.formats import GroupFactors, QuantizedWeight, held_tensors
 
 PANEL = 16  # output rows per panel
@@ -74,13 +75,17 @@ class PanelWeight:
     act_group: int = 8  # activation columns per int8 scale: 8 or 16
 
     @classmethod
-    def from_rows(cls, weight: QuantizedWeight, act_group: int = 8) -> PanelWeight:
-        """The panel layout of ``weight`` (shared factors stay shared)."""
+    def from_rows(
+        cls, weight: QuantizedWeight, act_group: int = 8, arena: WeightArena | None = None
+    ) -> PanelWeight:
+        """The panel layout of ``weight`` (shared factors stay shared), on
+        ``arena``'s huge pages where given."""
         n = weight.out_features
 
         def convert(t: torch.Tensor) -> torch.Tensor:
             packed = t is weight.qweight or t is weight.qhigh
-            return _to_panels(t.view(n, -1, _WORD) if packed else t)
+            panels = _to_panels(t.view(n, -1, _WORD) if packed else t)
+            return panels if arena is None else arena.place(panels)
 
         panels = weight.map_tensors(convert)
         return cls(
