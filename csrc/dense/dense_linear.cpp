@@ -31,7 +31,7 @@
 // Zen 4 core streamed a fifth to a third slower). One dependent chain of
 // `vdpbf16ps` a row still reads 64 bytes every few cycles, more than a core's
 // share of DRAM bandwidth. The SwiGLU product, whose tile needs gate and up
-// vectors together, reads four vectors side by side.
+// vectors together, reads four vectors side by side, also without them.
 // Every shape runs the same per-lane loop, each activation row and output
 // row with its own accumulator over the words in order: a row's result
 // depends neither on the rows beside it, nor on the tile's width, nor on the
@@ -59,6 +59,11 @@ constexpr int64_t kWordBytes = 4;                   // bytes of one row per word
 constexpr int64_t kWordStep = kPanel * kWordBytes;  // one word of a panel's rows
 constexpr int kVecsPerUnit = 2;                     // output vectors per tile
 constexpr int kWideVecsPerUnit = 4;                 // the same with few rows
+// With many rows, how far ahead of a tile's loads its panels are requested: a
+// tile re-reads its panels from L3 or DRAM where they outgrow the L2 (a
+// float32 panel of K = 8192 is 512 KB), and the hardware prefetcher restarts
+// at every 4 KB page. Few-row tiles stream better without (top of this file).
+constexpr int64_t kPrefetchBytes = 4096;
 
 #if defined(__AVX512F__)
 constexpr int64_t kRowsPerVec = 16;  // output rows (float lanes) per vector
@@ -114,7 +119,7 @@ constexpr Kind bf16_kind() { return TL_BF16_DOT ? Kind::kBf16Dot : Kind::kBf16Wi
 // words. x holds the MR rows x_stride elements apart: float32 (two columns a
 // word for kBf16Widened) or, for kBf16Dot, bfloat16 pairs (one int32 a word).
 // Not inlined: one copy per shape, as in the quantized kernel.
-template <Kind K, int MR, int NV>
+template <Kind K, int MR, int NV, bool Prefetch>
 __attribute__((noinline)) void dense_tile(const uint8_t* const* w, int64_t words, const void* x,
                                           int64_t x_stride, float* out) {
   fvec_t acc[MR][NV];
@@ -125,6 +130,12 @@ __attribute__((noinline)) void dense_tile(const uint8_t* const* w, int64_t words
   for (int j = 0; j < NV; ++j) wp[j] = w[j];
 #pragma GCC unroll 2
   for (int64_t t = 0; t < words; ++t) {
+    if constexpr (Prefetch) {
+      for (int j = 0; j < NV; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(wp[j] + t * kWordStep + kPrefetchBytes),
+                     _MM_HINT_T0);
+      }
+    }
     if constexpr (K == Kind::kFloat32) {
       const float* xt = static_cast<const float*>(x) + t;
       fvec_t wv[NV];
@@ -163,16 +174,16 @@ __attribute__((noinline)) void dense_tile(const uint8_t* const* w, int64_t words
 }
 
 // dense_tile for `rows` (1 to MR) activation rows and `nv` (1 to NV) vectors.
-template <Kind K, int NV, int MR>
+template <Kind K, int NV, int MR, bool Prefetch>
 void any_tile(int64_t rows, int64_t nv, const uint8_t* const* w, int64_t words, const void* x,
               int64_t x_stride, float* out) {
   if constexpr (NV > 0 && MR > 0) {
     if (nv < NV) {
-      any_tile<K, NV - 1, MR>(rows, nv, w, words, x, x_stride, out);
+      any_tile<K, NV - 1, MR, Prefetch>(rows, nv, w, words, x, x_stride, out);
     } else if (rows == MR) {
-      dense_tile<K, MR, NV>(w, words, x, x_stride, out);
+      dense_tile<K, MR, NV, Prefetch>(w, words, x, x_stride, out);
     } else {
-      any_tile<K, NV, MR - 1>(rows, nv, w, words, x, x_stride, out);
+      any_tile<K, NV, MR - 1, Prefetch>(rows, nv, w, words, x, x_stride, out);
     }
   }
 }
@@ -239,7 +250,7 @@ inline void silu_lanes(const float* gate, const float* up, float* out, int64_t c
 // vectors: consecutive ones, or with silu_pairs NVU / 2 consecutive vectors
 // of the gate half and the same vectors of the up half, whose products the
 // tile's epilogue writes.
-template <Kind K, int NVU, int TileM>
+template <Kind K, int NVU, int TileM, bool Prefetch>
 void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const DenseActs& a,
                 int64_t rows, float* y, bool silu_pairs) {
   constexpr int kHalf = NVU / 2;
@@ -263,7 +274,7 @@ void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const Dense
         w[j] = vec_at(u * kHalf + j);
         w[kHalf + j] = vec_at(u * kHalf + j + half_vecs);
       }
-      any_tile<K, NVU, TileM>(tile_rows, NVU, w, words, x, a.stride, out);
+      any_tile<K, NVU, TileM, Prefetch>(tile_rows, NVU, w, words, x, a.stride, out);
       for (int64_t r = 0; r < tile_rows; ++r) {
         const float* o = out + r * NVU * kRowsPerVec;
         for (int j = 0; j < kHalf; ++j) {
@@ -275,7 +286,7 @@ void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const Dense
     }
     const int64_t v0 = u * NVU, nv = std::min<int64_t>(NVU, vecs - v0);
     for (int64_t j = 0; j < nv; ++j) w[j] = vec_at(v0 + j);
-    any_tile<K, NVU, TileM>(tile_rows, nv, w, words, x, a.stride, out);
+    any_tile<K, NVU, TileM, Prefetch>(tile_rows, nv, w, words, x, a.stride, out);
     const int64_t n0 = v0 * kRowsPerVec, count = std::min(nv * kRowsPerVec, n_out - n0);
     for (int64_t r = 0; r < tile_rows; ++r) {
       std::memcpy(y + (m + r) * out_cols + n0, out + r * nv * kRowsPerVec, count * sizeof(float));
@@ -311,7 +322,7 @@ void dense_few_rows(const uint8_t* panels, int64_t words, int64_t n_out, const D
         const int64_t row = (v0 + j) * kRowsPerVec;
         w[j] = panels + row / kPanel * panel_bytes + row % kPanel * kWordBytes;
       }
-      any_tile<K, NV, MR>(rows, nv, w, words, a.data, a.stride, out);
+      any_tile<K, NV, MR, false>(rows, nv, w, words, a.data, a.stride, out);
       const int64_t n0 = v0 * kRowsPerVec, count = std::min(nv * kRowsPerVec, n_out - n0);
       for (int64_t r = 0; r < rows; ++r) {
         std::memcpy(y + r * n_out + n0, out + r * nv * kRowsPerVec, count * sizeof(float));
@@ -336,9 +347,10 @@ void dense_gemm_any(const uint8_t* panels, int64_t words, int64_t n_out, const D
                     n_out / 2 / kRowsPerVec % (kWideVecsPerUnit / 2) == 0 &&
                     busiest_vecs(vecs, kWideVecsPerUnit) <= busiest_vecs(vecs, kVecsPerUnit);
   if (wide) {
-    dense_gemm<K, kWideVecsPerUnit, kTileM / 2>(panels, words, n_out, a, rows, y, silu_pairs);
+    dense_gemm<K, kWideVecsPerUnit, kTileM / 2, false>(panels, words, n_out, a, rows, y,
+                                                       silu_pairs);
   } else {
-    dense_gemm<K, kVecsPerUnit, kTileM>(panels, words, n_out, a, rows, y, silu_pairs);
+    dense_gemm<K, kVecsPerUnit, kTileM, true>(panels, words, n_out, a, rows, y, silu_pairs);
   }
 }
 
