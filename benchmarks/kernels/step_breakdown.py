@@ -215,9 +215,13 @@ def main() -> None:
     ]
     calls = sum(e.count for e in events) / args.profile_steps
 
+    def floor_at(gbs: float) -> float:
+        """ms to stream the weights at ``gbs``."""
+        return weights / (gbs * 1e9) * 1e3
+
     best_gbs = max(gbs for gbs, _ in rounds)
-    floor_ms = weights / (best_gbs * 1e9) * 1e3
-    over_floor = statistics.median(ms / (weights / (gbs * 1e9) * 1e3) for gbs, ms in rounds)
+    floor_ms = floor_at(best_gbs)
+    over_floor = statistics.median(ms / floor_at(gbs) for gbs, ms in rounds)
     load = os.getloadavg()
     result = {
         "cpu": cpu_model(),

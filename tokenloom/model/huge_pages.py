@@ -73,8 +73,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
         or not hasattr(mmap, "MADV_HUGEPAGE")
     ):
         return torch.zeros(shape, dtype=dtype, device=device)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    memory.madvise(mmap.MADV_HUGEPAGE)
+    memory = _huge_page_mapping(nbytes)
     if _populator is None:
         _populate(memory, nbytes)
     else:
@@ -100,17 +99,23 @@ class WeightArena:
         if tensor.device.type != "cpu" or tensor.numel() == 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
             return tensor
         nbytes = tensor.numel() * tensor.element_size()
-        start = -self._used % self.ALIGN + self._used
+        start = (self._used + self.ALIGN - 1) // self.ALIGN * self.ALIGN
         if self._chunk is None or start + nbytes > len(self._chunk):
-            size = max(self.CHUNK_BYTES, -nbytes % HUGE_PAGE_BYTES + nbytes)
-            self._chunk = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self._chunk.madvise(mmap.MADV_HUGEPAGE)
+            whole_pages = (nbytes + HUGE_PAGE_BYTES - 1) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+            self._chunk = _huge_page_mapping(max(self.CHUNK_BYTES, whole_pages))
             start = 0
         self._used = start + nbytes
         placed = torch.frombuffer(
             self._chunk, dtype=tensor.dtype, count=tensor.numel(), offset=start
         ).view(tensor.shape)
         return placed.copy_(tensor)
+
+
+def _huge_page_mapping(nbytes: int) -> mmap.mmap:
+    """An anonymous private mapping of ``nbytes``, advised huge pages."""
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory.madvise(mmap.MADV_HUGEPAGE)
+    return memory
 
 
 @functools.cache
