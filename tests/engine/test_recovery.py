@@ -291,6 +291,27 @@ async def test_while_restarting_degraded_aborts_drop_and_new_requests_wait(
     engine.shutdown()
 
 
+async def test_a_core_gone_before_the_output_handler_notices_is_already_degraded(
+    tokenizer: Any,
+) -> None:
+    # A killed core process is seen dead (``is_alive``) a moment before the output
+    # handler's read fails and the restart begins: not a moment of "dead" for /health
+    # or for a request arriving then.
+    cluster = Cluster(tokenizer, [None, None])
+    engine = cluster.engine
+    client = engine.client
+    assert isinstance(client, AsyncInprocClient)
+    client._dead = EngineDeadError("the engine core process died")
+    assert engine.restarting and not engine.errored and engine.is_running
+    await engine.check_health()
+    late = await asyncio.wait_for(cluster.stream("late", max_tokens=3), 10)
+    assert joined(late)[0] == "aaa"
+    assert set(cluster.resumed_priors(1)) == {"late"}
+    assert cluster.counter.restarts == 1
+    assert not engine.restarting and engine.is_running
+    engine.shutdown()
+
+
 async def test_a_core_that_dies_during_the_replay_is_replaced_again(tokenizer: Any) -> None:
     cluster = Cluster(tokenizer, [4, 0, None])
     streams = [cluster.stream(f"r{i}") for i in range(2)]

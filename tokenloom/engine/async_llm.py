@@ -154,8 +154,14 @@ class AsyncLLM(EngineClient):
 
     @property
     def _replacing(self) -> bool:
-        """The one core is being replaced: requests wait for the new one."""
-        return self.supervisor is not None and self.supervisor.restarting
+        """The one core is being replaced, or is gone and about to be (its process died a
+        moment before the output handler's read fails): requests wait for the new one."""
+        supervisor = self.supervisor
+        if supervisor is None or self._dead is not None or self._closed:
+            return False
+        if supervisor.restarting:
+            return True
+        return supervisor.budget_left > 0 and not self.client.is_alive()
 
     @property
     def errored(self) -> bool:
