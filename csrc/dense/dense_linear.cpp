@@ -128,6 +128,10 @@ __attribute__((noinline)) void dense_tile(const uint8_t* const* w, int64_t words
   }
   const uint8_t* wp[NV];
   for (int j = 0; j < NV; ++j) wp[j] = w[j];
+  // Every matrix has a word (K >= 1, checked where it is made). Unless told,
+  // GCC keeps the accumulators' zero in memory for a loop that never runs,
+  // and the tile's start and end each move all of them through the stack.
+  if (words <= 0) __builtin_unreachable();
 #pragma GCC unroll 2
   for (int64_t t = 0; t < words; ++t) {
     if constexpr (Prefetch) {
