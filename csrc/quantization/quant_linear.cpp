@@ -429,6 +429,9 @@ __attribute__((noinline)) void panel_tile(const QuantWeight& w, const QuantActs&
   const fvec_t bias = set1_f(kRoundingMagic);
   fvec_t acc[MR];
   for (auto& v : acc) v = zero_f();
+  // Every weight has a group (checked where it is made): unless told, GCC
+  // keeps the accumulators' zero in memory for a loop that never runs.
+  if (w.groups <= 0) __builtin_unreachable();
   for (int64_t g = 0; g < w.groups; ++g) {
     fvec_t gsum[MR];
     for (auto& v : gsum) v = zero_f();
@@ -641,7 +644,7 @@ QuantMatrix::QuantMatrix(const at::Tensor& qweight, const std::optional<at::Tens
   }
   const int64_t row_bytes = qweight.size(1) * kWordBytes;
   const int64_t k_pad = bits == 8 ? row_bytes : row_bytes * 2;
-  TORCH_CHECK(k_pad % kBlock == 0, "a weight row must be whole blocks of 32 columns");
+  TORCH_CHECK(k_pad > 0 && k_pad % kBlock == 0, "a weight row must be whole blocks of 32 columns");
   const int64_t groups = k_pad / group;
   std::vector<at::Tensor> held{qweight, scale_base};
   for (const auto* t : {&qhigh, &scale_codes, &min_base, &min_codes}) {
