@@ -736,41 +736,51 @@ void attend_all_groups(const Problem<T>& p, const Task& task, Scratch& scratch) 
 }
 
 // Below this many multiply-adds per thread, waking another thread (a fork and a
-// join per layer) costs more than it saves: a batch-1 decode over a short
-// context runs on the calling thread alone. Above it, a decode's K/V come cold
-// from DRAM, scattered over pages that one thread reads at a fraction of the
-// bandwidth, so a batch-1 decode over a few hundred tokens already uses every
-// thread.
+// join per layer) costs more than it saves: a small batch over short contexts
+// runs on the calling thread alone.
 constexpr int64_t kMinWorkPerThread = 1 << 15;
 
 // Work units (query tile, KV group) are handed out dynamically to torch's
-// intra-op threads because context lengths differ widely within a batch; one
-// token's groups can go to different threads, so a single long decode uses them all.
+// intra-op threads because context lengths differ widely within a batch.
 // A request's units go out group by group: consecutive query tiles of a prompt
 // chunk then read the same group's K/V, which stays in L2 (token by token, every
-// group's K/V would pass through it in turn). In a batch with enough decodes to
-// keep every thread busy, a decode is one unit instead, all its groups read
-// block by block (attend_blocks), which streams when a request's blocks follow
-// one another in the cache.
+// group's K/V would pass through it in turn). A decode is one unit instead, all
+// its groups read block by block (attend_blocks), which streams when a
+// request's blocks follow one another in the cache: in a batch with enough
+// decodes to keep every thread busy, and in a smaller one where its K/V are at
+// most kWholeDecodeElements. Its K/V come cold from DRAM (the weights streaming
+// through the step evict them), and one thread reading them in address order
+// beats two threads taking its groups apart, each reading a few KB in every
+// block: a batch-1 decode of the default model's shape (3 groups of 64) over
+// 190 keys took 12 us where its groups on two threads took 19, and the 1B
+// shape's (8 groups) over 160 keys 20 us where they took 25. From about 1,000
+// keys of 8 groups on, the groups on every thread catch up.
 constexpr int64_t kWholeDecodesPerThread = 4;
+constexpr int64_t kWholeDecodeElements = 1 << 19;
 constexpr int32_t kAllGroups = -1;
 
 template <int64_t D, typename T>
 void run(const Problem<T>& p) {
   const std::vector<Task>& tasks = *p.tasks;
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  // Units: a query tile (tokens from task, group), or a decode in a full batch
-  // (task, kAllGroups).
+  // Units: a query tile (tokens from task, group), or a whole decode (task,
+  // kAllGroups).
   struct Unit {
     int32_t task, group, tokens;
   };
   std::vector<Unit> units;
   const bool decodes_whole = num_tasks >= kWholeDecodesPerThread * at::get_num_threads();
+  // attend_all_groups streams blocks for these shapes; for others it goes group by group.
+  const bool streams_blocks = p.group <= kMaxHeads<D> && p.num_kv_heads <= kMaxBlockGroups;
+  const auto whole = [&](const Task& decode) {
+    return decodes_whole ||
+           (streams_blocks && 2 * decode.visible * p.num_kv_heads * D <= kWholeDecodeElements);
+  };
   const int64_t tile_tokens = std::max<int64_t>(1, kMaxRows<D> / p.group);
   for (int64_t first = 0; first < num_tasks;) {
     int64_t end = first;
     while (end < num_tasks && tasks[end].request == tasks[first].request) ++end;
-    if (end - first == 1 && decodes_whole) {
+    if (end - first == 1 && whole(tasks[first])) {
       units.push_back({static_cast<int32_t>(first), kAllGroups, 1});
     } else {
       for (int32_t g = 0; g < p.num_kv_heads; ++g) {
