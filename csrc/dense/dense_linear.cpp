@@ -432,10 +432,47 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& panels, int64_t k
   return SiluPairs ? matrix.silu_product(x) : matrix(x);
 }
 
+// Rows `ids` (int64, any shape) of an [n_out, k] matrix in panels, as float32
+// [ids.numel(), k]: what an embedding that shares a tied LM head's panels
+// gathers (panel_linear.py's PanelEmbedding). One call where torch's indexing
+// into the panel layout takes half a dozen ops, each of them slow on a decode
+// step's caches, which the weights streaming through have just emptied.
+at::Tensor panel_rows(const at::Tensor& ids, const at::Tensor& panels, int64_t k, int64_t n_out) {
+  const DenseMatrix matrix(panels, k, n_out);  // checks the panels against k and n_out
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be contiguous int64");
+  const int64_t count = ids.numel(), words = panels.size(1);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < n_out, "id ", id[i], " out of the matrix's ", n_out, " rows");
+  }
+  at::Tensor out = at::empty({count, k}, panels.options().dtype(at::kFloat));
+  const auto* base = static_cast<const uint8_t*>(panels.data_ptr());
+  float* y = out.data_ptr<float>();
+  const bool bf16 = panels.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      // Word w of the row sits kWordStep bytes after word w - 1 (panel_linear.py).
+      const uint8_t* row = base + (id[i] / kPanel * words * kPanel + id[i] % kPanel) * kWordBytes;
+      float* dst = y + i * k;
+      for (int64_t c = 0; c < k; ++c) {
+        if (bf16) {
+          const uint8_t* at = row + c / 2 * kWordStep + c % 2 * sizeof(c10::BFloat16);
+          dst[c] = static_cast<float>(*reinterpret_cast<const c10::BFloat16*>(at));
+        } else {
+          std::memcpy(dst + c, row + c * kWordStep, sizeof(float));
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace tokenloom
 
 TORCH_LIBRARY_FRAGMENT(tokenloom_cpu, m) {
+  m.def("panel_rows(Tensor ids, Tensor panels, int k, int n_out) -> Tensor");
+  m.impl("panel_rows", c10::DispatchKey::CPU, &tokenloom::panel_rows);
   m.def("dense_linear(Tensor x, Tensor panels, int k, int n_out) -> Tensor");
   m.def("dense_linear_silu(Tensor x, Tensor panels, int k, int n_out) -> Tensor");
   // Whether bfloat16 weights multiply bfloat16-rounded activations (vdpbf16ps)

@@ -225,18 +225,25 @@ def test_modules_run_the_kernel_or_unpack_for_torch(dtype: torch.dtype) -> None:
     assert_fp32_close(model[0](x.reshape(-1, 50)), first, 50)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_the_embedding_gathers_the_heads_rows(dtype: torch.dtype) -> None:
-    w = weight(37, 24, dtype)
+@pytest.mark.parametrize("k", [24, 7])  # whole words, and an odd last word
+def test_the_embedding_gathers_the_heads_rows(dtype: torch.dtype, k: int, native: bool) -> None:
+    w = weight(37, k, dtype)
     panels = DensePanels.from_weight(w)
+    embedding = PanelEmbedding(panels)
+    use_native_matmul(embedding, native)
     ids = torch.tensor([[36, 0], [17, 17]])
-    gathered = PanelEmbedding(panels)(ids)
+    gathered = embedding(ids)
     assert gathered.dtype == torch.float32 and torch.equal(gathered, w[ids].float())
     head = PanelLinear(panels)
     assert head.native_projection().forward(gathered[0]).equal(head(gathered[0]))
     # More tokens than the vocabulary has rows: a prefill's embedding.
     many = torch.arange(100) % 37
-    assert torch.equal(PanelEmbedding(panels)(many), w[many].float())
+    assert torch.equal(embedding(many), w[many].float())
+    if native:
+        with pytest.raises(RuntimeError, match="id 37 out of the matrix's 37 rows"):
+            embedding(torch.tensor([3, 37]))
 
 
 def test_every_other_built_variant_passes_these_tests() -> None:

@@ -185,11 +185,13 @@ class PanelLinear(PanelProjection):
 
 class PanelEmbedding(nn.Module):
     """Gathers rows of a [vocab, hidden] matrix in panels as float32 (the panels a
-    tied LM head multiplies by)."""
+    tied LM head multiplies by): natively where the forward plan's matmul is, as
+    ``PanelProjection.native``."""
 
     def __init__(self, weight: DensePanels) -> None:
         super().__init__()
         self.weight_panels = weight
+        self.native = True
 
     @property
     def weight(self) -> torch.Tensor:
@@ -197,8 +199,13 @@ class PanelEmbedding(nn.Module):
         return self.weight_panels.rows()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        return self.weight_panels.rows(flat).float().view(*ids.shape, -1)
+        if self.native:
+            rows: torch.Tensor = torch.ops.tokenloom_cpu.panel_rows(
+                ids.contiguous(), *self.weight_panels.kernel_args()
+            )
+        else:
+            rows = self.weight_panels.rows(ids.reshape(-1)).float()
+        return rows.view(*ids.shape, -1)
 
 
 def panel_weight_bytes(module: nn.Module) -> int:
@@ -228,8 +235,8 @@ def pack_linears(module: nn.Module, arena: WeightArena | None = None) -> int:
 
 
 def use_native_matmul(module: nn.Module, native: bool) -> None:
-    """Whether every ``PanelProjection`` under ``module`` runs its native kernel or
-    its torch path (the forward plan's matmul=torch)."""
+    """Whether every ``PanelProjection`` and ``PanelEmbedding`` under ``module`` runs
+    its native kernel or its torch path (the forward plan's matmul=torch)."""
     for child in module.modules():
-        if isinstance(child, PanelProjection):
+        if isinstance(child, (PanelProjection, PanelEmbedding)):
             child.native = native

@@ -58,6 +58,7 @@ OPS = {
         "dense_linear",
         "dense_linear_silu",
         "dense_bf16_dot_products",
+        "panel_rows",
         "decoder_stack_steps",
     ),
     "tokenloom_quant": ("quant_linear", "quant_linear_silu"),
