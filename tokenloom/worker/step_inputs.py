@@ -196,14 +196,16 @@ def build_sampling_metadata(
     device = batch.device
     vocab = batch.vocab_size
     temperature = batch.temperature[row_slots]
-    greedy = temperature == 0.0
-    random_rows = ~greedy
+    # Few numpy calls where every row is greedy (temperature 0): after a decode
+    # step's weights have streamed through the caches, each costs ~10 us.
+    all_greedy = not temperature.any()
     metadata = SamplingMetadata(
         temperature=to_device(temperature, device),
-        all_greedy=bool(greedy.all()),
-        all_random=not bool(greedy.any()),
+        all_greedy=all_greedy,
+        all_random=bool(temperature.all()) if not all_greedy else len(temperature) == 0,
     )
-    if not metadata.all_greedy:
+    if not all_greedy:
+        random_rows = temperature != 0.0
         top_k = batch.top_k[row_slots]
         if bool((top_k[random_rows] < vocab).any()):
             metadata.top_k = to_device(top_k, device)
