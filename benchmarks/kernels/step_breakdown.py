@@ -6,7 +6,10 @@ ModelRunner on the default model; after its prefill and a warm-up, STEPS decode
 steps are timed. Phases are timed by wrapping the runner's own functions:
 inputs (``apply_deltas`` + ``prepare_step``), attention metadata, the model
 forward, logits, sampling, and the rest (scheduler, output). Then a few steps
-run under torch's profiler for a per-op table (self CPU time).
+run under torch's profiler for a per-op table (self CPU time). Last, a few
+steps run two pieces of the host's work (the sampling metadata, the embedding)
+twice in a row: at their place in the step, on caches that the weights
+streaming through have just emptied, and again right after, on warm ones.
 
 The floor: bytes of the weights one step reads (every layer's matrices and the
 LM head; norms are negligible) over the memory read bandwidth measured here
@@ -38,6 +41,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +51,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 
 from step_clock import PhaseTimer, clock_engine, per_step_ms  # noqa: E402
+
+# Steps that time host pieces twice (cold_and_warm), after the timed ones.
+HOST_STEPS = 20
 
 
 class ReadBandwidth:
@@ -145,7 +152,7 @@ def main() -> None:
     from tokenloom.worker.model_runner import ModelRunner
 
     warmup = 10
-    total_tokens = args.prompt + warmup + args.steps + args.profile_steps + 2
+    total_tokens = args.prompt + warmup + args.steps + args.profile_steps + HOST_STEPS + 2
     block_size = 16
     num_blocks = -(-total_tokens // block_size) + 2
     # cache_dtype only when asked for, so that this script also runs on older trees.
@@ -214,6 +221,7 @@ def main() -> None:
         for e in events[: args.top]
     ]
     calls = sum(e.count for e in events) / args.profile_steps
+    cold_warm = cold_and_warm(step, runner, runner_module, steps=HOST_STEPS)
 
     def floor_at(gbs: float) -> float:
         """ms to stream the weights at ``gbs``."""
@@ -239,6 +247,9 @@ def main() -> None:
         "best_read_bandwidth_gbs": round(best_gbs, 2),
         "weight_stream_floor_ms_at_best": round(floor_ms, 2),
         "step_over_floor_at_best": round(phases["total"] / floor_ms, 2),
+        "host_us_in_step_and_again": {
+            k: [round(a, 1), round(b, 1)] for k, (a, b) in cold_warm.items()
+        },
         "profiled_ops_per_step": round(calls, 1),
         "top_ops": ops,
         "command": "python benchmarks/kernels/step_breakdown.py " + " ".join(sys.argv[1:]),
@@ -261,8 +272,47 @@ def main() -> None:
             f"  {op['op'][:40]:40s} {op['calls_per_step']:7.1f} calls "
             f"{op['ms_per_step']:8.3f} ms {op['share']:6.1%}"
         )
+    print("\nhost pieces at their place in a step / called again right after (us):")
+    for name, (in_step, again) in cold_warm.items():
+        print(f"  {name:16s} {in_step:8.1f} / {again:.1f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def cold_and_warm(
+    step: Callable[[], float], runner: Any, runner_module: Any, steps: int
+) -> dict[str, tuple[float, float]]:
+    """us of host pieces of a step at their place in it, on caches that the
+    weights streaming through have just emptied, and called again right after
+    on warm ones: medians over ``steps`` steps."""
+    times: dict[str, list[tuple[float, float]]] = {"sampling metadata": [], "embedding": []}
+
+    def twice(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            fn(*args, **kwargs)
+            t1 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            times[name].append((t1 - t0, time.perf_counter() - t1))
+            return out
+
+        return run
+
+    metadata, embed = runner_module.build_sampling_metadata, runner.model.embed
+    runner_module.build_sampling_metadata = twice("sampling metadata", metadata)
+    runner.model.embed = twice("embedding", embed)
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        runner_module.build_sampling_metadata, runner.model.embed = metadata, embed
+    return {
+        name: (
+            statistics.median(a for a, _ in pairs) * 1e6,
+            statistics.median(b for _, b in pairs) * 1e6,
+        )
+        for name, pairs in times.items()
+    }
 
 
 def host_time(args: argparse.Namespace) -> None:
