@@ -432,16 +432,18 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& panels, int64_t k
   return SiluPairs ? matrix.silu_product(x) : matrix(x);
 }
 
-// Rows `ids` (int64, any shape) of an [n_out, k] matrix in panels, as float32
+// Rows `ids` (integers, any shape) of an [n_out, k] matrix in panels, as float32
 // [ids.numel(), k]: what an embedding that shares a tied LM head's panels
 // gathers (panel_linear.py's PanelEmbedding). One call where torch's indexing
 // into the panel layout takes half a dozen ops, each of them slow on a decode
 // step's caches, which the weights streaming through have just emptied.
 at::Tensor panel_rows(const at::Tensor& ids, const at::Tensor& panels, int64_t k, int64_t n_out) {
   const DenseMatrix matrix(panels, k, n_out);  // checks the panels against k and n_out
-  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be contiguous int64");
-  const int64_t count = ids.numel(), words = panels.size(1);
-  const int64_t* id = ids.data_ptr<int64_t>();
+  TORCH_CHECK(!at::isFloatingType(ids.scalar_type()) && ids.scalar_type() != at::kBool,
+              "ids must be integers, got ", ids.scalar_type());
+  const at::Tensor flat = ids.to(at::kLong).contiguous();
+  const int64_t count = flat.numel(), words = panels.size(1);
+  const int64_t* id = flat.data_ptr<int64_t>();
   for (int64_t i = 0; i < count; ++i) {
     TORCH_CHECK(id[i] >= 0 && id[i] < n_out, "id ", id[i], " out of the matrix's ", n_out, " rows");
   }

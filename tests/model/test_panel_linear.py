@@ -236,6 +236,8 @@ def test_the_embedding_gathers_the_heads_rows(dtype: torch.dtype, k: int, native
     ids = torch.tensor([[36, 0], [17, 17]])
     gathered = embedding(ids)
     assert gathered.dtype == torch.float32 and torch.equal(gathered, w[ids].float())
+    assert torch.equal(embedding(ids.int()), gathered)
+    assert torch.equal(embedding(ids.t()), w[ids.t()].float())  # not contiguous
     head = PanelLinear(panels)
     assert head.native_projection().forward(gathered[0]).equal(head(gathered[0]))
     # More tokens than the vocabulary has rows: a prefill's embedding.

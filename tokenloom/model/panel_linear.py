@@ -201,7 +201,7 @@ class PanelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.native:
             rows: torch.Tensor = torch.ops.tokenloom_cpu.panel_rows(
-                ids.contiguous(), *self.weight_panels.kernel_args()
+                ids, *self.weight_panels.kernel_args()
             )
         else:
             rows = self.weight_panels.rows(ids.reshape(-1)).float()
