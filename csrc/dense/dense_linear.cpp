@@ -57,6 +57,12 @@ namespace {
 constexpr int64_t kPanel = 16;                      // output rows per panel
 constexpr int64_t kWordBytes = 4;                   // bytes of one row per word
 constexpr int64_t kWordStep = kPanel * kWordBytes;  // one word of a panel's rows
+
+// Where output row `row`'s first word sits: its panel, then its place among the
+// panel's rows (word w of the row lies w * kWordStep bytes further on).
+inline const uint8_t* panel_row(const uint8_t* panels, int64_t words, int64_t row) {
+  return panels + row / kPanel * words * kWordStep + row % kPanel * kWordBytes;
+}
 constexpr int kVecsPerUnit = 2;                     // output vectors per tile
 constexpr int kWideVecsPerUnit = 4;                 // the same with few rows
 // With many rows, how far ahead of a tile's loads its panels are requested: a
@@ -263,9 +269,7 @@ void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const Dense
   const int64_t units = silu_pairs ? half_vecs / kHalf : (vecs + NVU - 1) / NVU;
   const int64_t out_cols = silu_pairs ? n_out / 2 : n_out;
   const int64_t panel_bytes = words * kWordStep;
-  const auto vec_at = [&](int64_t v) {
-    return panels + (v * kRowsPerVec / kPanel) * panel_bytes + (v * kRowsPerVec % kPanel) * kWordBytes;
-  };
+  const auto vec_at = [&](int64_t v) { return panel_row(panels, words, v * kRowsPerVec); };
   const int64_t unit_bytes = panel_bytes * NVU * kRowsPerVec / kPanel;
   const int64_t tile_bytes = TileM * words * kWordBytes * (K == Kind::kBf16Dot ? 1 : 2);
   run_panel_tiles(units, rows, TileM, unit_bytes, tile_bytes, [&](int64_t u, int64_t m, int64_t tile_rows) {
@@ -324,7 +328,6 @@ template <Kind K, int NV, int MR>
 void dense_few_rows(const uint8_t* panels, int64_t words, int64_t n_out, const DenseActs& a,
                     int64_t rows, float* y) {
   const int64_t vecs = (n_out + kRowsPerVec - 1) / kRowsPerVec;
-  const int64_t panel_bytes = words * kWordStep;
   at::parallel_for(0, vecs, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals flush;
     alignas(64) float out[MR * NV * kRowsPerVec];
@@ -332,8 +335,7 @@ void dense_few_rows(const uint8_t* panels, int64_t words, int64_t n_out, const D
     for (int64_t v0 = begin; v0 < end; v0 += NV) {
       const int64_t nv = std::min<int64_t>(NV, end - v0);
       for (int64_t j = 0; j < nv; ++j) {
-        const int64_t row = (v0 + j) * kRowsPerVec;
-        w[j] = panels + row / kPanel * panel_bytes + row % kPanel * kWordBytes;
+        w[j] = panel_row(panels, words, (v0 + j) * kRowsPerVec);
       }
       any_tile<K, NV, MR, false>(rows, nv, w, words, a.data, a.stride, out);
       const int64_t n0 = v0 * kRowsPerVec, count = std::min(nv * kRowsPerVec, n_out - n0);
@@ -453,8 +455,7 @@ at::Tensor panel_rows(const at::Tensor& ids, const at::Tensor& panels, int64_t k
   const bool bf16 = panels.scalar_type() == at::kBFloat16;
   at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      // Word w of the row sits kWordStep bytes after word w - 1 (panel_linear.py).
-      const uint8_t* row = base + (id[i] / kPanel * words * kPanel + id[i] % kPanel) * kWordBytes;
+      const uint8_t* row = panel_row(base, words, id[i]);
       float* dst = y + i * k;
       for (int64_t c = 0; c < k; ++c) {
         if (bf16) {
