@@ -57,12 +57,6 @@ namespace {
 constexpr int64_t kPanel = 16;                      // output rows per panel
 constexpr int64_t kWordBytes = 4;                   // bytes of one row per word
 constexpr int64_t kWordStep = kPanel * kWordBytes;  // one word of a panel's rows
-
-// Where output row `row`'s first word sits: its panel, then its place among the
-// panel's rows (word w of the row lies w * kWordStep bytes further on).
-inline const uint8_t* panel_row(const uint8_t* panels, int64_t words, int64_t row) {
-  return panels + row / kPanel * words * kWordStep + row % kPanel * kWordBytes;
-}
 constexpr int kVecsPerUnit = 2;                     // output vectors per tile
 constexpr int kWideVecsPerUnit = 4;                 // the same with few rows
 // With many rows, how far ahead of a tile's loads its panels are requested: a
@@ -70,6 +64,12 @@ constexpr int kWideVecsPerUnit = 4;                 // the same with few rows
 // float32 panel of K = 8192 is 512 KB), and the hardware prefetcher restarts
 // at every 4 KB page. Few-row tiles stream better without (top of this file).
 constexpr int64_t kPrefetchBytes = 4096;
+
+// Where output row `row`'s first word sits: its panel, then its place among the
+// panel's rows (word w of the row lies w * kWordStep bytes further on).
+inline const uint8_t* panel_row(const uint8_t* panels, int64_t words, int64_t row) {
+  return panels + row / kPanel * words * kWordStep + row % kPanel * kWordBytes;
+}
 
 #if defined(__AVX512F__)
 constexpr int64_t kRowsPerVec = 16;  // output rows (float lanes) per vector
