@@ -7,8 +7,9 @@
 // works on blocks of both that fit its L2 together (kBlockBytes of weights
 // and of activations), so that with many rows neither is re-read from L3 per
 // unit, and within a block calls tile(unit, m0, tile_rows) for each unit and
-// each tile of at most tile_m rows. Which thread computes a tile never
-// changes its result: every tile runs the same loop.
+// each tile of at most tile_m rows; with one row, whose weights stream through
+// once, it takes the units in runs (run_balanced). Which thread computes a tile
+// never changes its result: every tile runs the same loop.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 
 #include "common/denormals.h"
 
@@ -26,6 +28,72 @@ constexpr int64_t kBlockBytes = 256 << 10;
 // Chunks a thread takes of a matmul, on average, where they are handed out:
 // the last is short, and each is still a run of panels streaming in order.
 constexpr int64_t kChunksPerThread = 8;
+
+// body(u) for every unit u in [0, units), on up to `threads` of torch's
+// intra-op threads, for matmuls whose weights' bytes bound the time (one or
+// a few activation rows). Each thread owns a contiguous run of units, which it
+// takes front to back one unit at a time: one address stream, which the
+// hardware prefetcher follows. A thread whose run is done takes the back half
+// of the run with the most units left. Two threads streaming equal halves end
+// a fifth of a matmul's time apart on a shared host (a batch-1 step of the
+// default model, both weight formats), so an even split leaves one of them
+// waiting for the other at every matmul's end.
+template <class Body>
+void run_balanced(int64_t units, int64_t threads, const Body& body) {
+  threads = std::max<int64_t>(1, std::min(threads, units));
+  // A run is [front, back) in one word, so that its owner taking the front and
+  // a thief taking the back never both get a unit.
+  struct alignas(64) Run {
+    std::atomic<uint64_t> span;
+  };
+  const auto pack = [](uint64_t front, uint64_t back) { return back << 32 | front; };
+  const auto front_of = [](uint64_t span) { return static_cast<int64_t>(span & 0xffffffffu); };
+  const auto back_of = [](uint64_t span) { return static_cast<int64_t>(span >> 32); };
+  // On the stack for the usual thread counts: this runs for every matmul of a
+  // decode step.
+  constexpr int64_t kStackRuns = 8;
+  Run stack_runs[kStackRuns];
+  const std::unique_ptr<Run[]> heap_runs(threads > kStackRuns ? new Run[threads] : nullptr);
+  Run* const runs = heap_runs ? heap_runs.get() : stack_runs;
+  for (int64_t t = 0; t < threads; ++t) {
+    runs[t].span.store(pack(units * t / threads, units * (t + 1) / threads), std::memory_order_relaxed);
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    const FlushDenormals flush;
+    if (end - begin > 1) {  // one thread for the whole team (a nested region)
+      for (int64_t u = 0; u < units; ++u) body(u);
+      return;
+    }
+    Run& own = runs[begin];
+    while (true) {
+      uint64_t span = own.span.load(std::memory_order_relaxed);
+      while (front_of(span) < back_of(span)) {
+        const int64_t u = front_of(span);
+        if (own.span.compare_exchange_weak(span, pack(u + 1, back_of(span)),
+                                           std::memory_order_relaxed)) {
+          body(u);
+          span = own.span.load(std::memory_order_relaxed);
+        }
+      }
+      // Steal the back half of the longest run left, if it has two units or more.
+      int64_t victim = -1, most = 1;
+      for (int64_t t = 0; t < threads; ++t) {
+        const uint64_t other = runs[t].span.load(std::memory_order_relaxed);
+        if (back_of(other) - front_of(other) > most) {
+          victim = t;
+          most = back_of(other) - front_of(other);
+        }
+      }
+      if (victim < 0) return;
+      uint64_t other = runs[victim].span.load(std::memory_order_relaxed);
+      const int64_t front = front_of(other), back = back_of(other), take = (back - front) / 2;
+      if (take > 0 && runs[victim].span.compare_exchange_strong(other, pack(front, back - take),
+                                                                std::memory_order_relaxed)) {
+        own.span.store(pack(back - take, back), std::memory_order_relaxed);
+      }
+    }
+  });
+}
 
 // unit_bytes: the weights of one unit; tile_bytes: the activations of tile_m rows.
 template <class Tile>
@@ -46,9 +114,14 @@ void run_panel_tiles(int64_t units, int64_t rows, int64_t tile_m, int64_t unit_b
     }
   };
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), units);
-  // One row takes microseconds: too little to hand out in chunks.
-  if (rows == 1 || threads <= 1) {
-    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) { run_units(begin, end, 0, rows); });
+  if (threads <= 1) {
+    run_units(0, units, 0, rows);
+    return;
+  }
+  // One row takes microseconds: too little to hand out in chunks. Its
+  // weights stream through once, in runs of units.
+  if (rows == 1) {
+    run_balanced(units, threads, [&](int64_t u) { tile(u, 0, 1); });
     return;
   }
   // Otherwise chunks of a few units by one block of rows, block by block, to

@@ -319,29 +319,24 @@ inline int64_t busiest_vecs(int64_t vecs, int64_t per_unit) {
   return (units + threads - 1) / threads * per_unit;
 }
 
-// y [rows, n_out] for rows <= MR (a decode step): the output vectors split
-// evenly between the threads, one contiguous run each, read in tiles of NV
-// vectors (one panel: see the top of this file), the last narrower. Units of a
-// fixed width handed out in turn would split a small matrix unevenly, and the
-// threads would meet at the matmul's end.
+// y [rows, n_out] for rows <= MR (a decode step): units of NV vectors (one
+// panel: see the top of this file), the last narrower, in a contiguous run per
+// thread that streams in address order, whose end a thread done early takes
+// over (run_balanced).
 template <Kind K, int NV, int MR>
 void dense_few_rows(const uint8_t* panels, int64_t words, int64_t n_out, const DenseActs& a,
                     int64_t rows, float* y) {
   const int64_t vecs = (n_out + kRowsPerVec - 1) / kRowsPerVec;
-  at::parallel_for(0, vecs, 1, [&](int64_t begin, int64_t end) {
-    const FlushDenormals flush;
+  const int64_t units = (vecs + NV - 1) / NV;
+  run_balanced(units, at::get_num_threads(), [&](int64_t u) {
     alignas(64) float out[MR * NV * kRowsPerVec];
     const uint8_t* w[NV];
-    for (int64_t v0 = begin; v0 < end; v0 += NV) {
-      const int64_t nv = std::min<int64_t>(NV, end - v0);
-      for (int64_t j = 0; j < nv; ++j) {
-        w[j] = panel_row(panels, words, (v0 + j) * kRowsPerVec);
-      }
-      any_tile<K, NV, MR, false>(rows, nv, w, words, a.data, a.stride, out);
-      const int64_t n0 = v0 * kRowsPerVec, count = std::min(nv * kRowsPerVec, n_out - n0);
-      for (int64_t r = 0; r < rows; ++r) {
-        std::memcpy(y + r * n_out + n0, out + r * nv * kRowsPerVec, count * sizeof(float));
-      }
+    const int64_t v0 = u * NV, nv = std::min<int64_t>(NV, vecs - v0);
+    for (int64_t j = 0; j < nv; ++j) w[j] = panel_row(panels, words, (v0 + j) * kRowsPerVec);
+    any_tile<K, NV, MR, false>(rows, nv, w, words, a.data, a.stride, out);
+    const int64_t n0 = v0 * kRowsPerVec, count = std::min(nv * kRowsPerVec, n_out - n0);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(y + r * n_out + n0, out + r * nv * kRowsPerVec, count * sizeof(float));
     }
   });
 }

@@ -149,11 +149,38 @@ def test_few_rows_in_wide_tiles_sum_as_many_rows_do(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("threads", [3, 4])
+def test_one_row_is_exact_when_threads_take_over_each_others_runs(
+    dtype: torch.dtype, threads: int
+) -> None:
+    """More threads than cores: the system stops some of them mid-run, and the
+    others take over the ends of their runs. Every output vector is still
+    computed once, with the same bits as on one thread, plainly and with the
+    fused SwiGLU (whose units interleave gate and up panels)."""
+    k, n = 256, 16 * 96
+    plain = weight(n, k, dtype, seed=4)
+    w = pack_panels(plain)
+    rows = torch.randn(40, 1, k, generator=torch.Generator().manual_seed(5))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = [torch.ops.tokenloom_cpu.dense_linear(x, w, k, n) for x in rows]
+        expected_silu = [torch.ops.tokenloom_cpu.dense_linear_silu(x, w, k, n) for x in rows]
+        torch.set_num_threads(threads)
+        for x, plain_out, silu_out in zip(rows, expected, expected_silu, strict=True):
+            assert torch.equal(torch.ops.tokenloom_cpu.dense_linear(x, w, k, n), plain_out)
+            assert torch.equal(torch.ops.tokenloom_cpu.dense_linear_silu(x, w, k, n), silu_out)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_few_rows_split_by_vectors_between_threads(dtype: torch.dtype, threads: int) -> None:
-    """A decode's few rows split the output vectors evenly between the threads,
-    each run in wide tiles and a narrower last one: whatever the split, each row
-    equals the same row among many (which run in fixed units)."""
+    """A decode's few rows split the output vectors into a run per thread, whose
+    end a thread done early takes over (more threads than cores make them
+    uneven), each run in wide tiles and a narrower last one: whatever the split,
+    each row equals the same row among many (which run in fixed units)."""
     k = 40
     x = torch.randn(24, k, generator=torch.Generator().manual_seed(3))
     before = torch.get_num_threads()

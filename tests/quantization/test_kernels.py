@@ -248,6 +248,26 @@ def test_threads_share_blocks_of_rows_and_panels_exactly(threads: int) -> None:
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("threads", [3, 4])
+def test_one_row_is_exact_when_threads_take_over_each_others_runs(threads: int) -> None:
+    """A decode's one row, on more threads than cores: the system stops some
+    of them mid-run and the others take over the ends of their runs. Every
+    panel is still computed once, with the same bits as on one thread."""
+    gen = torch.Generator().manual_seed(12)
+    weight = quantize_float(torch.randn(16 * 96 + 5, 512, generator=gen), "int4")
+    panels = PanelWeight.from_rows(weight)
+    rows = torch.randn(40, 1, 512, generator=gen)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = [quant_matmul(x, panels) for x in rows]
+        torch.set_num_threads(threads)
+        for x, out in zip(rows, expected, strict=True):
+            assert torch.equal(quant_matmul(x, panels), out)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("act_group", ACT_GROUPS)
 def test_batch_invariance_over_every_row_count(act_group: int) -> None:
     """One row's output is bitwise the same alone and in batches of 2 to 70, in any
