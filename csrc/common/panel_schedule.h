@@ -58,40 +58,46 @@ void run_balanced(int64_t units, int64_t threads, const Body& body) {
   for (int64_t t = 0; t < threads; ++t) {
     runs[t].span.store(pack(units * t / threads, units * (t + 1) / threads), std::memory_order_relaxed);
   }
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    const FlushDenormals flush;
-    if (end - begin > 1) {  // one thread for the whole team (a nested region)
-      for (int64_t u = 0; u < units; ++u) body(u);
-      return;
-    }
-    Run& own = runs[begin];
-    while (true) {
-      uint64_t span = own.span.load(std::memory_order_relaxed);
-      while (front_of(span) < back_of(span)) {
-        const int64_t u = front_of(span);
-        if (own.span.compare_exchange_weak(span, pack(u + 1, back_of(span)),
-                                           std::memory_order_relaxed)) {
-          body(u);
-          span = own.span.load(std::memory_order_relaxed);
-        }
+  // body(u) for the units at a run's front, until none is left.
+  const auto take_front = [&](Run& run) {
+    uint64_t span = run.span.load(std::memory_order_relaxed);
+    while (front_of(span) < back_of(span)) {
+      const int64_t u = front_of(span);
+      if (run.span.compare_exchange_weak(span, pack(u + 1, back_of(span)),
+                                         std::memory_order_relaxed)) {
+        body(u);
+        span = run.span.load(std::memory_order_relaxed);
       }
-      // Steal the back half of the longest run left, if it has two units or more.
+    }
+  };
+  // Moves the back half of the longest run left into `own` (empty); false
+  // when no run has two units or more.
+  const auto steal_into = [&](Run& own) {
+    while (true) {
       int64_t victim = -1, most = 1;
       for (int64_t t = 0; t < threads; ++t) {
-        const uint64_t other = runs[t].span.load(std::memory_order_relaxed);
-        if (back_of(other) - front_of(other) > most) {
+        const uint64_t span = runs[t].span.load(std::memory_order_relaxed);
+        if (back_of(span) - front_of(span) > most) {
           victim = t;
-          most = back_of(other) - front_of(other);
+          most = back_of(span) - front_of(span);
         }
       }
-      if (victim < 0) return;
-      uint64_t other = runs[victim].span.load(std::memory_order_relaxed);
-      const int64_t front = front_of(other), back = back_of(other), take = (back - front) / 2;
-      if (take > 0 && runs[victim].span.compare_exchange_strong(other, pack(front, back - take),
+      if (victim < 0) return false;
+      uint64_t span = runs[victim].span.load(std::memory_order_relaxed);
+      const int64_t front = front_of(span), back = back_of(span), take = (back - front) / 2;
+      if (take > 0 && runs[victim].span.compare_exchange_strong(span, pack(front, back - take),
                                                                 std::memory_order_relaxed)) {
         own.span.store(pack(back - take, back), std::memory_order_relaxed);
+        return true;
       }
     }
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    const FlushDenormals flush;
+    // One run a thread, unless the team is smaller than asked for (a nested
+    // region runs on its caller alone).
+    for (int64_t t = begin; t < end; ++t) take_front(runs[t]);
+    while (steal_into(runs[begin])) take_front(runs[begin]);
   });
 }
 
