@@ -23,8 +23,10 @@ as the installed library would; the revision must have its sources in
   of fresh chunks (lengths log-uniform in 32-512). bfloat16 caches (what
   quantized weights serve with), the prompt step also float32.
 - ``quant`` (``csrc/quantization/quant_linear.cpp``): the default model's
-  matrices (layer 3's four and the LM head) at 2,048, 128, 16 and 1 rows, and
-  the MLP's activation from gate_up (``quant_linear_silu``).
+  matrices (layer 3's four and the LM head) at ``--rows`` rows (the head at
+  up to 128), and the MLP's activation from gate_up (``quant_linear_silu``).
+- ``dense`` (``csrc/dense/dense_linear.cpp``): the default model's and
+  Llama-3.2-1B's matrices in ``--dtypes`` at ``--rows`` rows.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/kernels/kernel_ab.py --base HEAD~2 [--kernels attention quant] [--rounds 7]
 """
@@ -226,7 +228,7 @@ def attention_cases(layers: int) -> dict[str, Case]:
     }
 
 
-def quant_cases() -> dict[str, Case]:
+def quant_cases(row_counts: list[int]) -> dict[str, Case]:
     from tokenloom.config import ModelConfig
     from tokenloom.model_loader.loader import load_model
     from tokenloom.quantization.linear import QuantLinear
@@ -241,7 +243,7 @@ def quant_cases() -> dict[str, Case]:
     generator = torch.Generator().manual_seed(0)
     cases: dict[str, Case] = {}
     for name, weight in weights.items():
-        for rows in (2048, 128, 16, 1):
+        for rows in row_counts:
             if name == "logits_head" and rows > 128:
                 continue
             x = torch.randn(rows, weight.in_features, generator=generator)
@@ -338,7 +340,7 @@ def main() -> None:
         nargs="+",
         type=int,
         default=[2048, 512, 128, 16, 1],
-        help="the dense kernel's activation row counts",
+        help="the matmuls' activation row counts",
     )
     args = parser.parse_args()
     print(f"threads {torch.get_num_threads()}; base {args.base} against the working tree")
@@ -350,7 +352,7 @@ def main() -> None:
         elif kernel == "dense":
             cases = dense_cases(args.dtypes, args.rows)
         else:
-            cases = quant_cases()
+            cases = quant_cases(args.rows)
         times: dict[str, list[list[float]]] = {name: [[], []] for name in cases}
         same: dict[str, bool] = {}
         for _ in range(args.rounds):

@@ -7,8 +7,8 @@
 // works on blocks of both that fit its L2 together (kBlockBytes of weights
 // and of activations), so that with many rows neither is re-read from L3 per
 // unit, and within a block calls tile(unit, m0, tile_rows) for each unit and
-// each tile of at most tile_m rows; with one row, whose weights stream through
-// once, it takes the units in runs (run_balanced). Which thread computes a tile
+// each tile of at most tile_m rows; with one tile of rows, whose weights stream
+// through once, it takes the units in runs (run_balanced). Which thread computes a tile
 // never changes its result: every tile runs the same loop.
 #pragma once
 
@@ -124,10 +124,10 @@ void run_panel_tiles(int64_t units, int64_t rows, int64_t tile_m, int64_t unit_b
     run_units(0, units, 0, rows);
     return;
   }
-  // One row takes microseconds: too little to hand out in chunks. Its
-  // weights stream through once, in runs of units.
-  if (rows == 1) {
-    run_balanced(units, threads, [&](int64_t u) { tile(u, 0, 1); });
+  // One tile of rows (a decode step) takes microseconds a unit: too little to
+  // hand out in chunks. Its weights stream through once, in runs of units.
+  if (rows <= tile_m) {
+    run_balanced(units, threads, [&](int64_t u) { tile(u, 0, rows); });
     return;
   }
   // Otherwise chunks of a few units by one block of rows, block by block, to

@@ -150,24 +150,25 @@ def test_few_rows_in_wide_tiles_sum_as_many_rows_do(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("threads", [3, 4])
-def test_one_row_is_exact_when_threads_take_over_each_others_runs(
-    dtype: torch.dtype, threads: int
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_decode_rows_are_exact_when_threads_take_over_each_others_runs(
+    dtype: torch.dtype, threads: int, rows: int
 ) -> None:
-    """More threads than cores: the system stops some of them mid-run, and the
-    others take over the ends of their runs. Every output vector is still
-    computed once, with the same bits as on one thread, plainly and with the
-    fused SwiGLU (whose units interleave gate and up panels)."""
+    """A decode step's rows on more threads than cores: the system stops some
+    threads mid-run, and the others take over the ends of their runs. Every
+    output vector is still computed once, with the same bits as on one thread,
+    plainly and with the fused SwiGLU (whose units interleave gate and up
+    panels)."""
     k, n = 256, 16 * 96
-    plain = weight(n, k, dtype, seed=4)
-    w = pack_panels(plain)
-    rows = torch.randn(40, 1, k, generator=torch.Generator().manual_seed(5))
+    w = pack_panels(weight(n, k, dtype, seed=4))
+    batches = torch.randn(40, rows, k, generator=torch.Generator().manual_seed(5))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        expected = [torch.ops.tokenloom_cpu.dense_linear(x, w, k, n) for x in rows]
-        expected_silu = [torch.ops.tokenloom_cpu.dense_linear_silu(x, w, k, n) for x in rows]
+        expected = [torch.ops.tokenloom_cpu.dense_linear(x, w, k, n) for x in batches]
+        expected_silu = [torch.ops.tokenloom_cpu.dense_linear_silu(x, w, k, n) for x in batches]
         torch.set_num_threads(threads)
-        for x, plain_out, silu_out in zip(rows, expected, expected_silu, strict=True):
+        for x, plain_out, silu_out in zip(batches, expected, expected_silu, strict=True):
             assert torch.equal(torch.ops.tokenloom_cpu.dense_linear(x, w, k, n), plain_out)
             assert torch.equal(torch.ops.tokenloom_cpu.dense_linear_silu(x, w, k, n), silu_out)
     finally:

@@ -249,20 +249,23 @@ def test_threads_share_blocks_of_rows_and_panels_exactly(threads: int) -> None:
 
 
 @pytest.mark.parametrize("threads", [3, 4])
-def test_one_row_is_exact_when_threads_take_over_each_others_runs(threads: int) -> None:
-    """A decode's one row, on more threads than cores: the system stops some
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_decode_rows_are_exact_when_threads_take_over_each_others_runs(
+    threads: int, rows: int
+) -> None:
+    """A decode step's rows on more threads than cores: the system stops some
     of them mid-run and the others take over the ends of their runs. Every
     panel is still computed once, with the same bits as on one thread."""
     gen = torch.Generator().manual_seed(12)
     weight = quantize_float(torch.randn(16 * 96 + 5, 512, generator=gen), "int4")
     panels = PanelWeight.from_rows(weight)
-    rows = torch.randn(40, 1, 512, generator=gen)
+    batches = torch.randn(40, rows, 512, generator=gen)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        expected = [quant_matmul(x, panels) for x in rows]
+        expected = [quant_matmul(x, panels) for x in batches]
         torch.set_num_threads(threads)
-        for x, out in zip(rows, expected, strict=True):
+        for x, out in zip(batches, expected, strict=True):
             assert torch.equal(quant_matmul(x, panels), out)
     finally:
         torch.set_num_threads(previous)
