@@ -156,7 +156,7 @@ def test_decode_rows_are_exact_when_threads_take_over_each_others_runs(
 ) -> None:
     """A decode step's rows on more threads than cores: the system stops some
     threads mid-run, and the others take over the ends of their runs. Every
-    output vector is still computed once, with the same bits as on one thread,
+    output vector is still written, with the same bits as on one thread,
     plainly and with the fused SwiGLU (whose units interleave gate and up
     panels)."""
     k, n = 256, 16 * 96

@@ -255,7 +255,7 @@ def test_decode_rows_are_exact_when_threads_take_over_each_others_runs(
 ) -> None:
     """A decode step's rows on more threads than cores: the system stops some
     of them mid-run and the others take over the ends of their runs. Every
-    panel is still computed once, with the same bits as on one thread."""
+    panel's outputs are still written, with the same bits as on one thread."""
     gen = torch.Generator().manual_seed(12)
     weight = quantize_float(torch.randn(16 * 96 + 5, 512, generator=gen), "int4")
     panels = PanelWeight.from_rows(weight)
