@@ -7,9 +7,9 @@
 // works on blocks of both that fit its L2 together (kBlockBytes of weights
 // and of activations), so that with many rows neither is re-read from L3 per
 // unit, and within a block calls tile(unit, m0, tile_rows) for each unit and
-// each tile of at most tile_m rows; with one tile of rows, whose weights stream
-// through once, it takes the units in runs (run_balanced). Which thread computes a tile
-// never changes its result: every tile runs the same loop.
+// each tile of at most tile_m rows; with one tile of rows, whose weights
+// stream through once, it takes the units in runs (run_balanced). Which thread
+// computes a tile never changes its result: every tile runs the same loop.
 #pragma once
 
 #include <ATen/Parallel.h>

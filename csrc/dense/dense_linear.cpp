@@ -319,37 +319,16 @@ inline int64_t busiest_vecs(int64_t vecs, int64_t per_unit) {
   return (units + threads - 1) / threads * per_unit;
 }
 
-// y [rows, n_out] for rows <= MR (a decode step): units of NV vectors (one
-// panel: see the top of this file), the last narrower, in a contiguous run per
-// thread that streams in address order, whose end a thread done early takes
-// over (run_balanced).
-template <Kind K, int NV, int MR>
-void dense_few_rows(const uint8_t* panels, int64_t words, int64_t n_out, const DenseActs& a,
-                    int64_t rows, float* y) {
-  const int64_t vecs = (n_out + kRowsPerVec - 1) / kRowsPerVec;
-  const int64_t units = (vecs + NV - 1) / NV;
-  run_balanced(units, at::get_num_threads(), [&](int64_t u) {
-    alignas(64) float out[MR * NV * kRowsPerVec];
-    const uint8_t* w[NV];
-    const int64_t v0 = u * NV, nv = std::min<int64_t>(NV, vecs - v0);
-    for (int64_t j = 0; j < nv; ++j) w[j] = panel_row(panels, words, (v0 + j) * kRowsPerVec);
-    any_tile<K, NV, MR, false>(rows, nv, w, words, a.data, a.stride, out);
-    const int64_t n0 = v0 * kRowsPerVec, count = std::min(nv * kRowsPerVec, n_out - n0);
-    for (int64_t r = 0; r < rows; ++r) {
-      std::memcpy(y + r * n_out + n0, out + r * nv * kRowsPerVec, count * sizeof(float));
-    }
-  });
-}
-
-// dense_gemm with the tile shape for `rows`: few rows without silu pairs as
-// dense_few_rows; with them, wide units where every unit still splits evenly
-// into gate and up vectors, and the threads' shares stay as even as with
-// narrow units (a small matrix has few units).
+// dense_gemm with the tile shape for `rows`: few rows without silu pairs in
+// units of one panel (see the top of this file), the last narrower; with them,
+// wide units where every unit still splits evenly into gate and up vectors,
+// and the threads' shares stay as even as with narrow units (a small matrix
+// has few units). Few rows take their units in runs (run_balanced).
 template <Kind K>
 void dense_gemm_any(const uint8_t* panels, int64_t words, int64_t n_out, const DenseActs& a,
                     int64_t rows, float* y, bool silu_pairs) {
   if (rows <= kTileM / 2 && !silu_pairs) {
-    dense_few_rows<K, kVecsPerPanel, kTileM / 2>(panels, words, n_out, a, rows, y);
+    dense_gemm<K, kVecsPerPanel, kTileM / 2, false>(panels, words, n_out, a, rows, y, false);
     return;
   }
   const int64_t vecs = (n_out + kRowsPerVec - 1) / kRowsPerVec;
