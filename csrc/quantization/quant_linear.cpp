@@ -214,6 +214,19 @@ struct Factors {
     if (codes == nullptr) return b;
     return mul(b, load_i8_floats(codes + (panel * groups + g) * kPanel + lane));
   }
+
+  // Group g of one row (`lane` of panel `panel`) as one float, in the order
+  // formats.py's GroupFactors.values computes it: base times the multiplier,
+  // then times the code.
+  float value(int64_t panel, int64_t lane, int64_t g) const {
+    const int64_t at = (panel * base_groups + g / per) * kPanel + lane;
+    float b = half ? static_cast<float>(c10::Half(static_cast<const uint16_t*>(base)[at],
+                                                  c10::Half::from_bits()))
+                   : static_cast<const float*>(base)[at];
+    b *= multiplier;
+    if (codes != nullptr) b *= static_cast<float>(codes[(panel * groups + g) * kPanel + lane]);
+    return b;
+  }
 };
 
 struct QuantWeight {
@@ -233,6 +246,28 @@ struct QuantWeight {
 
   // Whether the min term runs: mins, or the -128 of shifted 8-bit codes.
   bool min_term() const { return mins || (bits == 8 && kShiftedCodes8); }
+
+  // Byte b of one row of a plane in panel order (qweight, or with half the
+  // words the 6-bit top plane).
+  static uint8_t row_byte(const uint8_t* plane, int64_t plane_words, int64_t panel,
+                          int64_t lane, int64_t b) {
+    return plane[((panel * plane_words + b / kWordBytes) * kPanel + lane) * kWordBytes +
+                 b % kWordBytes];
+  }
+
+  // The code of column c of one row (layouts at the top of this file).
+  int32_t code(int64_t panel, int64_t lane, int64_t c) const {
+    if (bits == 8) return static_cast<int8_t>(row_byte(q, words, panel, lane, c));
+    if (bits == 4) {
+      const uint8_t byte = row_byte(q, words, panel, lane, c / kBlock * 16 + c % 16);
+      return c % kBlock < 16 ? byte & 15 : byte >> 4;
+    }
+    const int64_t t = c / 8, j = c % 4, second_half = c % 8 / 4;
+    const uint8_t byte = row_byte(q, words, panel, lane, t * kWordBytes + j);
+    const uint8_t top = row_byte(high, words / 2, panel, lane, t / 2 * kWordBytes + j);
+    const int32_t low = second_half ? byte >> 4 : byte & 15;
+    return low | ((top >> (2 * (t % 2 * 2 + second_half))) & 3) << 4;
+  }
 
   __attribute__((always_inline)) fvec_t load_mins(fvec_t scale, int64_t p, int64_t lane,
                                                   int64_t g) const {
@@ -699,6 +734,40 @@ at::Tensor QuantMatrix::apply(const at::Tensor& x, bool silu_pairs) const {
   return out;
 }
 
+at::Tensor QuantMatrix::rows(const at::Tensor& ids, int64_t k) const {
+  const QuantWeight& w = layout_->weight;
+  const int64_t n_out = layout_->n_out;
+  TORCH_CHECK(k > 0 && k <= w.k_pad, "k ", k, " does not fit the weight's ", w.k_pad, " columns");
+  TORCH_CHECK(!at::isFloatingType(ids.scalar_type()) && ids.scalar_type() != at::kBool,
+              "ids must be integers, got ", ids.scalar_type());
+  const at::Tensor flat = ids.to(at::kLong).contiguous();
+  const int64_t count = flat.numel();
+  const int64_t* id = flat.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < n_out, "id ", id[i], " out of the matrix's ", n_out, " rows");
+  }
+  at::Tensor out = at::empty({count, k}, ids.options().dtype(at::kFloat));
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t panel = id[i] / kPanel, lane = id[i] % kPanel;
+      float* row = y + i * k;
+      for (int64_t g = 0; g * w.group < k; ++g) {
+        const float scale = w.scales.value(panel, lane, g);
+        const float min = w.mins ? w.mins.value(panel, lane, g) : 0.0f;
+        for (int64_t c = g * w.group; c < std::min(k, (g + 1) * w.group); ++c) {
+          // Rounded before the min is added, as the reference's two ops
+          // round: the build contracts a multiply and an add into an FMA.
+          float product = static_cast<float>(w.code(panel, lane, c)) * scale;
+          asm("" : "+x"(product));
+          row[c] = product + min;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 namespace {
 
 // quant_linear: x @ dequant(W).T; quant_linear_silu (SiluPairs): silu(y[:, :n_out
@@ -713,6 +782,22 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight,
   const QuantMatrix matrix(qweight, qhigh, scale_base, scale_codes, min_base, min_codes,
                            min_multiplier, bits, group, n_out, act_group);
   return SiluPairs ? matrix.silu_product(x) : matrix(x);
+}
+
+// quant_rows: rows `ids` (integers, any shape) of dequant(W), float32
+// [ids.numel(), k]: an embedding that shares a tied LM head's quantized
+// weight (quantization/linear.py's QuantEmbedding). One call where torch's
+// ops on the layout take a dozen, each slow on a decode step's caches, which
+// the weights streaming through have just emptied.
+at::Tensor quant_rows(const at::Tensor& ids, const at::Tensor& qweight,
+                      const std::optional<at::Tensor>& qhigh, const at::Tensor& scale_base,
+                      const std::optional<at::Tensor>& scale_codes,
+                      const std::optional<at::Tensor>& min_base,
+                      const std::optional<at::Tensor>& min_codes, double min_multiplier,
+                      int64_t bits, int64_t group, int64_t n_out, int64_t act_group, int64_t k) {
+  const QuantMatrix matrix(qweight, qhigh, scale_base, scale_codes, min_base, min_codes,
+                           min_multiplier, bits, group, n_out, act_group);
+  return matrix.rows(ids, k);
 }
 
 // The TorchScript class the decoder stack takes (common/projection.h); built
@@ -741,6 +826,10 @@ struct QuantProjection : ProjectionClass {
 TORCH_LIBRARY(tokenloom_quant, m) {
   m.def("quant_linear" TL_QUANT_LINEAR_SCHEMA);
   m.def("quant_linear_silu" TL_QUANT_LINEAR_SCHEMA);
+  m.def(
+      "quant_rows(Tensor ids, Tensor qweight, Tensor? qhigh, Tensor scale_base, "
+      "Tensor? scale_codes, Tensor? min_base, Tensor? min_codes, float min_multiplier, int bits, "
+      "int group, int n_out, int act_group, int k) -> Tensor");
   m.class_<QuantProjection>("QuantProjection")
       .def(torch::init<at::Tensor, std::optional<at::Tensor>, at::Tensor,
                        std::optional<at::Tensor>, std::optional<at::Tensor>,
@@ -750,6 +839,7 @@ TORCH_LIBRARY(tokenloom_quant, m) {
 TORCH_LIBRARY_IMPL(tokenloom_quant, CPU, m) {
   m.impl("quant_linear", &quant_linear<false>);
   m.impl("quant_linear_silu", &quant_linear<true>);
+  m.impl("quant_rows", &quant_rows);
 }
 
 }  // namespace tokenloom

@@ -31,6 +31,10 @@ class QuantMatrix : public Projection {
   // as silu_product needs.
   bool has_silu_product() const override;
   int64_t out_features() const override;
+  // Rows `ids` (integers, any shape) of the dequantized matrix, columns [0, k),
+  // as float32 [ids.numel(), k]: scale * q + min per group, the product rounded
+  // before the min is added (formats.py's dequantize, bit for bit).
+  at::Tensor rows(const at::Tensor& ids, int64_t k) const;
 
  private:
   at::Tensor apply(const at::Tensor& x, bool silu_pairs) const;

@@ -20,6 +20,7 @@ from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from tests.quantization.blocks import LAYOUTS, random_gguf, random_layout
+from tokenloom.model.panel_linear import use_native_matmul
 from tokenloom.quantization.formats import (
     GGUF_TYPES,
     QuantizedWeight,
@@ -28,6 +29,7 @@ from tokenloom.quantization.formats import (
     quantize_float,
 )
 from tokenloom.quantization.kernels import native_available, quant_matmul
+from tokenloom.quantization.linear import QuantEmbedding
 from tokenloom.quantization.panels import PANEL, PanelWeight, act_group_for
 
 ACT_GROUPS = (8, 16)  # activation columns per int8 scale a matrix may ask for
@@ -204,6 +206,57 @@ def test_embedding_gather_dequantizes_only_requested_rows() -> None:
     weight = PanelWeight.from_rows(quantize_float(torch.randn(50, 64), "int4"))
     ids = torch.tensor([3, 0, 49, 3, 16, 47])
     torch.testing.assert_close(weight.dequantize(ids), weight.dequantize()[ids], rtol=0, atol=0)
+
+
+def gathered_both_ways(
+    weight: QuantizedWeight, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``QuantEmbedding``'s rows ``ids`` by the native gather and by its torch path."""
+    assert native_available()
+    embedding = QuantEmbedding(PanelWeight.from_rows(weight))
+    native = embedding(ids)
+    use_native_matmul(embedding, False)
+    return native, embedding(ids)
+
+
+@pytest.mark.parametrize(("bits", "group", "with_mins"), LAYOUTS)
+@pytest.mark.parametrize("form", ["float32", "float16", "coded"])
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 45), (37, 96), (70, 200)])
+def test_native_embedding_gather_is_the_dequantized_rows(
+    bits: int, group: int, with_mins: bool, form: str, n: int, k: int
+) -> None:
+    """Every layout and stored form on odd shapes, to the bit: the gather rounds
+    each code times its scale before adding the min, as dequantize does."""
+    gen = torch.Generator().manual_seed(n * k + bits + group)
+    weight = random_layout(bits, group, with_mins, form, n, k, gen)
+    ids = torch.randint(0, n, (3, 5), generator=gen)
+    native, reference = gathered_both_ways(weight, ids)
+    assert native.shape == (3, 5, k) and native.dtype == torch.float32
+    assert torch.equal(native, reference)
+    assert torch.equal(native, weight.dequantize()[ids])
+
+
+@pytest.mark.parametrize("ggml_type", GGUF_TYPES, ids=lambda t: t.name)
+def test_native_embedding_gather_of_gguf_types(ggml_type: T) -> None:
+    """Every row of each GGUF type's layout (shared scale and min tensors, K-quant
+    codes), gathered with int32 ids, a transposed view, and more ids than rows
+    (a prefill's embedding); an id past the rows is refused."""
+    n, k = 37, 512
+    weight = from_gguf(random_gguf(ggml_type, n, k, seed=5), ggml_type, (n, k))
+    every = torch.arange(n).int()
+    native, reference = gathered_both_ways(weight, every)
+    assert torch.equal(native, reference)
+    torch.testing.assert_close(
+        native,
+        torch.from_numpy(dequantize(random_gguf(ggml_type, n, k, seed=5), ggml_type).reshape(n, k)),
+        rtol=0,
+        atol=1e-6,
+    )
+    grid = torch.arange(2 * n).view(2, n).t() % n
+    assert torch.equal(gathered_both_ways(weight, grid)[0], reference[grid])
+    embedding = QuantEmbedding(PanelWeight.from_rows(weight))
+    with pytest.raises(RuntimeError, match="id 37 out of the matrix's 37 rows"):
+        embedding(torch.tensor([3, 37]))
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)

@@ -183,29 +183,56 @@ class PanelLinear(PanelProjection):
         return self.weight_panels.nbytes
 
 
-class PanelEmbedding(nn.Module):
-    """Gathers rows of a [vocab, hidden] matrix in panels as float32 (the panels a
-    tied LM head multiplies by): natively where the forward plan's matmul is, as
-    ``PanelProjection.native``."""
+class PanelGather(nn.Module):
+    """An embedding over a matrix kept in a kernel's panels (a tied LM head's,
+    float or quantized): gathers rows as float32, natively where the forward
+    plan's matmul is (``native``, as ``PanelProjection.native``) and the process
+    has the kernel, else by the subclass's torch path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.native = True
+
+    def kernel_available(self) -> bool:
+        """Whether this process has the native gather."""
+        return True
+
+    def native_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (integers, any shape) as float32 [ids.numel(), hidden]."""
+        raise NotImplementedError
+
+    def torch_rows(self, flat_ids: torch.Tensor) -> torch.Tensor:
+        """The same rows without the native library (``flat_ids`` 1-D)."""
+        raise NotImplementedError
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.native and self.kernel_available():
+            rows = self.native_rows(ids)
+        else:
+            rows = self.torch_rows(ids.reshape(-1))
+        return rows.view(*ids.shape, -1)
+
+
+class PanelEmbedding(PanelGather):
+    """Gathers rows of a [vocab, hidden] float matrix in panels."""
 
     def __init__(self, weight: DensePanels) -> None:
         super().__init__()
         self.weight_panels = weight
-        self.native = True
 
     @property
     def weight(self) -> torch.Tensor:
         """The table [vocab, hidden] in its dtype, unpacked: as ``PanelLinear.weight``."""
         return self.weight_panels.rows()
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.native:
-            rows: torch.Tensor = torch.ops.tokenloom_cpu.panel_rows(
-                ids, *self.weight_panels.kernel_args()
-            )
-        else:
-            rows = self.weight_panels.rows(ids.reshape(-1)).float()
-        return rows.view(*ids.shape, -1)
+    def native_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        rows: torch.Tensor = torch.ops.tokenloom_cpu.panel_rows(
+            ids, *self.weight_panels.kernel_args()
+        )
+        return rows
+
+    def torch_rows(self, flat_ids: torch.Tensor) -> torch.Tensor:
+        return self.weight_panels.rows(flat_ids).float()
 
 
 def panel_weight_bytes(module: nn.Module) -> int:
@@ -235,8 +262,8 @@ def pack_linears(module: nn.Module, arena: WeightArena | None = None) -> int:
 
 
 def use_native_matmul(module: nn.Module, native: bool) -> None:
-    """Whether every ``PanelProjection`` and ``PanelEmbedding`` under ``module`` runs
+    """Whether every ``PanelProjection`` and ``PanelGather`` under ``module`` runs
     its native kernel or its torch path (the forward plan's matmul=torch)."""
     for child in module.modules():
-        if isinstance(child, (PanelProjection, PanelEmbedding)):
+        if isinstance(child, (PanelProjection, PanelGather)):
             child.native = native

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenloom.model.panel_linear import PanelProjection
+from tokenloom.model.panel_linear import PanelGather, PanelProjection
 from tokenloom.quantization.kernels import native_available, quant_matmul
 from tokenloom.quantization.panels import PanelWeight
 
@@ -41,8 +41,10 @@ class QuantLinear(PanelProjection):
         return torch.classes.tokenloom_quant.QuantProjection(*self.qweight.kernel_args())
 
 
-class QuantEmbedding(nn.Module):
-    """Gathers rows of a quantized [vocab, hidden] matrix as float32."""
+class QuantEmbedding(PanelGather):
+    """Gathers rows of a quantized [vocab, hidden] matrix as float32: the native
+    gather and the torch path compute the same bits (``formats.py``'s
+    ``dequantize``)."""
 
     quantized = True
 
@@ -50,9 +52,17 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         self.qweight = weight
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        return self.qweight.dequantize(flat).view(*ids.shape, -1)
+    def kernel_available(self) -> bool:
+        return native_available()
+
+    def native_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        rows: torch.Tensor = torch.ops.tokenloom_quant.quant_rows(
+            ids, *self.qweight.kernel_args(), self.qweight.in_features
+        )
+        return rows
+
+    def torch_rows(self, flat_ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight.dequantize(flat_ids)
 
 
 def quantized_weight_bytes(module: nn.Module) -> int:
