@@ -48,6 +48,7 @@
 
 #include "common/denormals.h"
 #include "common/panel_schedule.h"
+#include "common/row_ids.h"
 #include "common/vec.h"
 #include "dense/dense_matrix.h"
 
@@ -415,14 +416,9 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& panels, int64_t k
 // step's caches, which the weights streaming through have just emptied.
 at::Tensor panel_rows(const at::Tensor& ids, const at::Tensor& panels, int64_t k, int64_t n_out) {
   const DenseMatrix matrix(panels, k, n_out);  // checks the panels against k and n_out
-  TORCH_CHECK(!at::isFloatingType(ids.scalar_type()) && ids.scalar_type() != at::kBool,
-              "ids must be integers, got ", ids.scalar_type());
-  const at::Tensor flat = ids.to(at::kLong).contiguous();
+  const at::Tensor flat = checked_row_ids(ids, n_out);
   const int64_t count = flat.numel(), words = panels.size(1);
   const int64_t* id = flat.data_ptr<int64_t>();
-  for (int64_t i = 0; i < count; ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < n_out, "id ", id[i], " out of the matrix's ", n_out, " rows");
-  }
   at::Tensor out = at::empty({count, k}, panels.options().dtype(at::kFloat));
   const auto* base = static_cast<const uint8_t*>(panels.data_ptr());
   float* y = out.data_ptr<float>();

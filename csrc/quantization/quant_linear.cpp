@@ -65,6 +65,7 @@
 
 #include "common/denormals.h"
 #include "common/panel_schedule.h"
+#include "common/row_ids.h"
 #include "common/vec.h"
 #include "quantization/quant_matrix.h"
 
@@ -736,16 +737,10 @@ at::Tensor QuantMatrix::apply(const at::Tensor& x, bool silu_pairs) const {
 
 at::Tensor QuantMatrix::rows(const at::Tensor& ids, int64_t k) const {
   const QuantWeight& w = layout_->weight;
-  const int64_t n_out = layout_->n_out;
   TORCH_CHECK(k > 0 && k <= w.k_pad, "k ", k, " does not fit the weight's ", w.k_pad, " columns");
-  TORCH_CHECK(!at::isFloatingType(ids.scalar_type()) && ids.scalar_type() != at::kBool,
-              "ids must be integers, got ", ids.scalar_type());
-  const at::Tensor flat = ids.to(at::kLong).contiguous();
+  const at::Tensor flat = checked_row_ids(ids, layout_->n_out);
   const int64_t count = flat.numel();
   const int64_t* id = flat.data_ptr<int64_t>();
-  for (int64_t i = 0; i < count; ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < n_out, "id ", id[i], " out of the matrix's ", n_out, " rows");
-  }
   at::Tensor out = at::empty({count, k}, ids.options().dtype(at::kFloat));
   float* y = out.data_ptr<float>();
   at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
