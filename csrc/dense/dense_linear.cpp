@@ -121,14 +121,14 @@ enum class Kind { kFloat32, kBf16Widened, kBf16Dot };
 
 constexpr Kind bf16_kind() { return TL_BF16_DOT ? Kind::kBf16Dot : Kind::kBf16Widened; }
 
-// out[(r * NV + j) * kRowsPerVec + i], for activation rows r < MR
+// out[r * out_stride + j * kRowsPerVec + i], for activation rows r < MR
 // and lane i of the NV output vectors at w[j]: the products over `words`
 // words. x holds the MR rows x_stride elements apart: float32 (two columns a
 // word for kBf16Widened) or, for kBf16Dot, bfloat16 pairs (one int32 a word).
 // Not inlined: one copy per shape, as in the quantized kernel.
 template <Kind K, int MR, int NV, bool Prefetch>
 __attribute__((noinline)) void dense_tile(const uint8_t* const* w, int64_t words, const void* x,
-                                          int64_t x_stride, float* out) {
+                                          int64_t x_stride, float* out, int64_t out_stride) {
   fvec_t acc[MR][NV];
   for (auto& row : acc) {
     for (auto& v : row) v = zero_f();
@@ -180,21 +180,21 @@ __attribute__((noinline)) void dense_tile(const uint8_t* const* w, int64_t words
     }
   }
   for (int r = 0; r < MR; ++r) {
-    for (int j = 0; j < NV; ++j) store_f(out + (r * NV + j) * kRowsPerVec, acc[r][j]);
+    for (int j = 0; j < NV; ++j) store_f(out + r * out_stride + j * kRowsPerVec, acc[r][j]);
   }
 }
 
 // dense_tile for `rows` (1 to MR) activation rows and `nv` (1 to NV) vectors.
 template <Kind K, int NV, int MR, bool Prefetch>
 void any_tile(int64_t rows, int64_t nv, const uint8_t* const* w, int64_t words, const void* x,
-              int64_t x_stride, float* out) {
+              int64_t x_stride, float* out, int64_t out_stride) {
   if constexpr (NV > 0 && MR > 0) {
     if (nv < NV) {
-      any_tile<K, NV - 1, MR, Prefetch>(rows, nv, w, words, x, x_stride, out);
+      any_tile<K, NV - 1, MR, Prefetch>(rows, nv, w, words, x, x_stride, out, out_stride);
     } else if (rows == MR) {
-      dense_tile<K, MR, NV, Prefetch>(w, words, x, x_stride, out);
+      dense_tile<K, MR, NV, Prefetch>(w, words, x, x_stride, out, out_stride);
     } else {
-      any_tile<K, NV, MR - 1, Prefetch>(rows, nv, w, words, x, x_stride, out);
+      any_tile<K, NV, MR - 1, Prefetch>(rows, nv, w, words, x, x_stride, out, out_stride);
     }
   }
 }
@@ -293,7 +293,8 @@ void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const Dense
         w[j] = vec_at(u * kHalf + j);
         w[kHalf + j] = vec_at(u * kHalf + j + half_vecs);
       }
-      any_tile<K, NVU, TileM, Prefetch>(tile_rows, NVU, w, words, x, a.stride, out);
+      any_tile<K, NVU, TileM, Prefetch>(tile_rows, NVU, w, words, x, a.stride, out,
+                                        NVU * kRowsPerVec);
       for (int64_t r = 0; r < tile_rows; ++r) {
         const float* o = out + r * NVU * kRowsPerVec;
         for (int j = 0; j < kHalf; ++j) {
@@ -305,7 +306,14 @@ void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const Dense
     }
     const int64_t v0 = u * NVU, nv = std::min<int64_t>(NVU, vecs - v0);
     for (int64_t j = 0; j < nv; ++j) w[j] = vec_at(v0 + j);
-    any_tile<K, NVU, TileM, Prefetch>(tile_rows, nv, w, words, x, a.stride, out);
+    // Whole vectors go straight to y; a ragged last unit through `out`.
+    if (count == nv * kRowsPerVec) {
+      any_tile<K, NVU, TileM, Prefetch>(tile_rows, nv, w, words, x, a.stride,
+                                        y + m * out_cols + n0, out_cols);
+      return;
+    }
+    any_tile<K, NVU, TileM, Prefetch>(tile_rows, nv, w, words, x, a.stride, out,
+                                      nv * kRowsPerVec);
     for (int64_t r = 0; r < tile_rows; ++r) {
       std::memcpy(y + (m + r) * out_cols + n0, out + r * nv * kRowsPerVec, count * sizeof(float));
     }
