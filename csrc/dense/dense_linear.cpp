@@ -205,7 +205,11 @@ void any_tile(int64_t rows, int64_t nv, const uint8_t* const* w, int64_t words, 
 struct DenseActs {
   const void* data;
   int64_t stride;  // elements (kBf16Dot: words) from one row to the next
-  at::Tensor held;
+  at::Tensor held;  // the float32 kinds: x, or x with a zero column
+  // kBf16Dot's rounded rows: plain memory, as the quantized kernel's
+  // activations, where a tensor would cost a batch-1 step's 120 matmuls an
+  // allocator call and a TensorImpl each.
+  std::unique_ptr<int32_t[]> rounded;
 
   DenseActs(const at::Tensor& x, Kind kind, int64_t words) {
     const int64_t rows = x.size(0), cols = x.size(1);
@@ -216,8 +220,8 @@ struct DenseActs {
       stride = held.stride(0);
       return;
     }
-    held = at::empty({rows, words}, x.options().dtype(at::kInt));
-    int32_t* out = held.data_ptr<int32_t>();
+    rounded.reset(new int32_t[rows * words]);
+    int32_t* out = rounded.get();
     const float* src = x.data_ptr<float>();
     const int64_t src_stride = x.stride(0);
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
