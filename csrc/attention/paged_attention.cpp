@@ -946,12 +946,12 @@ inline void convert16(const float* src, T* dst) {
   for (int64_t i = 0; i < kLanes; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
-// Tokens a thread writes at least. Each key's dimensions land in as many
-// cache lines of its K block (a column of it), lines that the step's weights
-// have evicted: a decode batch's writes wait on memory, and two threads
-// issue twice the misses at once (64 decodes of the default model: a step
-// 1-2% faster than on one thread).
-constexpr int64_t kWriteTokensPerThread = 8;
+// write_kv's grain: a step of more tokens than this is split between threads.
+// Each key's dimensions land in as many cache lines of its K block (a column
+// of it), lines that the step's weights have evicted: a decode batch's writes
+// wait on memory, and two threads issue twice the misses at once (64 decodes
+// of the default model: a step 1-2% faster than on one thread).
+constexpr int64_t kWriteGrainTokens = 8;
 
 // Stores this step's keys and values at their cache slots: k, v [T, Hkv, D]
 // (rows may be strided, e.g. views of the fused QKV output), slot_mapping
@@ -983,7 +983,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
     T* kc = k_cache.data_ptr<T>();
     T* vc = v_cache.data_ptr<T>();
     const bool whole_vectors = head_dim % kLanes == 0;
-    at::parallel_for(0, tokens, kWriteTokensPerThread, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, tokens, kWriteGrainTokens, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
         T* v_rows = vc + (block * row * block_size) + offset * head_dim;
