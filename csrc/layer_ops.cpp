@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "common/denormals.h"
+#include "common/team.h"
 #include "common/vec.h"
 
 namespace tokenloom {
@@ -33,7 +34,7 @@ void check_rows(const at::Tensor& t, const char* name, int64_t dim) {
 template <typename F>
 void for_rows(int64_t rows, int64_t row_floats, const F& body) {
   const int64_t grain = std::max<int64_t>(1, kMinFloatsPerThread / std::max<int64_t>(1, row_floats));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     const FlushDenormals flush;
     for (int64_t r = begin; r < end; ++r) body(r);
   });

@@ -44,6 +44,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "common/team.h"
 #include "common/vec.h"
 
 namespace tokenloom {
@@ -817,7 +818,7 @@ void run(const Problem<T>& p) {
   if (threads <= 1) {
     work(0, 1);
   } else {
-    at::parallel_for(0, threads, 1, work);
+    parallel_for(0, threads, 1, work);
   }
 }
 
@@ -983,7 +984,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
     T* kc = k_cache.data_ptr<T>();
     T* vc = v_cache.data_ptr<T>();
     const bool whole_vectors = head_dim % kLanes == 0;
-    at::parallel_for(0, tokens, kWriteGrainTokens, [&](int64_t begin, int64_t end) {
+    parallel_for(0, tokens, kWriteGrainTokens, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
         T* v_rows = vc + (block * row * block_size) + offset * head_dim;

@@ -20,6 +20,7 @@
 #include <memory>
 
 #include "common/denormals.h"
+#include "common/team.h"
 
 namespace tokenloom {
 
@@ -92,7 +93,7 @@ void run_balanced(int64_t units, int64_t threads, const Body& body) {
       }
     }
   };
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals flush;
     // One run a thread, unless the team is smaller than asked for (a nested
     // region runs on its caller alone).
@@ -137,7 +138,7 @@ void run_panel_tiles(int64_t units, int64_t rows, int64_t tile_m, int64_t unit_b
   const int64_t unit_chunks = (units + unit_chunk - 1) / unit_chunk;
   const int64_t chunks = unit_chunks * ((rows + block_rows - 1) / block_rows);
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t c = next++; c < chunks; c = next++) {
       const int64_t u = c % unit_chunks * unit_chunk, m = c / unit_chunks * block_rows;
       run_units(u, std::min(units, u + unit_chunk), m, std::min(rows, m + block_rows));

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "common/projection.h"
+#include "common/team.h"
 
 namespace tokenloom {
 namespace {
@@ -162,76 +163,80 @@ class DecoderStack : public torch::CustomClassHolder {
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     // The registers of recipe.py.
     Tensor x = h, residual, q, k, v;
-    for (size_t l = 0; l < count; ++l) {
-      const Layer& layer = layers_[l];
-      size_t next_norm = 0, next_matrix = 0;
-      for (const Op op : recipe_) {
-        switch (op) {
-          case Op::kAddNorm: {
-            const Tensor& weight = layer.norms[next_norm++];
-            if (!residual.defined()) {
-              residual = x;
-              x = at::empty_like(residual);
-              rms_norm_.call(x, residual, weight, eps_);
-            } else {
-              add_rms_norm_.call(x, residual, weight, eps_);
+    // One team of threads for the whole step (common/team.h): every kernel's
+    // threads' work below goes to it, with no fork and join per kernel.
+    with_team([&] {
+      for (size_t l = 0; l < count; ++l) {
+        const Layer& layer = layers_[l];
+        size_t next_norm = 0, next_matrix = 0;
+        for (const Op op : recipe_) {
+          switch (op) {
+            case Op::kAddNorm: {
+              const Tensor& weight = layer.norms[next_norm++];
+              if (!residual.defined()) {
+                residual = x;
+                x = at::empty_like(residual);
+                rms_norm_.call(x, residual, weight, eps_);
+              } else {
+                add_rms_norm_.call(x, residual, weight, eps_);
+              }
+              break;
             }
-            break;
-          }
-          case Op::kNorm: {
-            Tensor normed = at::empty_like(x);
-            rms_norm_.call(normed, x, layer.norms[next_norm++], eps_);
-            x = normed;
-            break;
-          }
-          case Op::kQkvProj:
-          case Op::kOProj:
-          case Op::kDownProj:
-            x = (*layer.matrices[next_matrix++])(x);
-            break;
-          case Op::kRope: {
-            const int64_t rows = x.size(0);
-            q = at::empty({rows, num_heads_, head_dim_}, x.options());
-            k = at::empty({rows, num_kv_heads_, head_dim_}, x.options());
-            rotary_qk_.call(q, k, x, cos, sin);
-            v = x.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads_, head_dim_});
-            break;
-          }
-          case Op::kAttend: {
-            write_kv_.call(k, v, k_caches[l], v_caches[l], slot_mapping);
-            if (keep_rows && l + 1 == count) {
-              std::tie(table_rows, query_start, query_len, seq_lens) =
-                  rows_as_requests(*keep_rows, tokens, table_rows, query_start, query_len, seq_lens);
-              q = q.index_select(0, *keep_rows);
-              residual = residual.index_select(0, *keep_rows);
+            case Op::kNorm: {
+              Tensor normed = at::empty_like(x);
+              rms_norm_.call(normed, x, layer.norms[next_norm++], eps_);
+              x = normed;
+              break;
             }
-            Tensor attended = at::empty_like(q);
-            paged_attention_.call(attended, q, k_caches[l], v_caches[l], block_table, table_rows,
-                                  query_start, query_len, seq_lens, scale_);
-            x = attended.view({q.size(0), q_size});
-            // Consumed: their buffers (and qkv, which v views) go back to the
-            // allocator for the layer's next tensors.
-            q.reset();
-            k.reset();
-            v.reset();
-            break;
-          }
-          case Op::kGateUp: {
-            // As GatedMLP.activation decides: fused where each half is whole panels.
-            const Projection& gate_up = *layer.matrices[next_matrix++];
-            if (gate_up.has_silu_product()) {
-              x = gate_up.silu_product(x);
-            } else {
-              const Tensor both = gate_up(x);
-              x = at::empty({both.size(0), both.size(1) / 2}, both.options());
-              silu_and_mul_.call(x, both);
+            case Op::kQkvProj:
+            case Op::kOProj:
+            case Op::kDownProj:
+              x = (*layer.matrices[next_matrix++])(x);
+              break;
+            case Op::kRope: {
+              const int64_t rows = x.size(0);
+              q = at::empty({rows, num_heads_, head_dim_}, x.options());
+              k = at::empty({rows, num_kv_heads_, head_dim_}, x.options());
+              rotary_qk_.call(q, k, x, cos, sin);
+              v = x.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads_, head_dim_});
+              break;
             }
-            break;
+            case Op::kAttend: {
+              write_kv_.call(k, v, k_caches[l], v_caches[l], slot_mapping);
+              if (keep_rows && l + 1 == count) {
+                std::tie(table_rows, query_start, query_len, seq_lens) = rows_as_requests(
+                    *keep_rows, tokens, table_rows, query_start, query_len, seq_lens);
+                q = q.index_select(0, *keep_rows);
+                residual = residual.index_select(0, *keep_rows);
+              }
+              Tensor attended = at::empty_like(q);
+              paged_attention_.call(attended, q, k_caches[l], v_caches[l], block_table, table_rows,
+                                    query_start, query_len, seq_lens, scale_);
+              x = attended.view({q.size(0), q_size});
+              // Consumed: their buffers (and qkv, which v views) go back to the
+              // allocator for the layer's next tensors.
+              q.reset();
+              k.reset();
+              v.reset();
+              break;
+            }
+            case Op::kGateUp: {
+              // As GatedMLP.activation decides: fused where each half is whole panels.
+              const Projection& gate_up = *layer.matrices[next_matrix++];
+              if (gate_up.has_silu_product()) {
+                x = gate_up.silu_product(x);
+              } else {
+                const Tensor both = gate_up(x);
+                x = at::empty({both.size(0), both.size(1) / 2}, both.options());
+                silu_and_mul_.call(x, both);
+              }
+              break;
+            }
           }
         }
       }
-    }
-    add_rms_norm_.call(x, residual, final_norm_, eps_);
+      add_rms_norm_.call(x, residual, final_norm_, eps_);
+    });
     return x;
   }
 

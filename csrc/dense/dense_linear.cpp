@@ -49,6 +49,7 @@
 #include "common/denormals.h"
 #include "common/panel_schedule.h"
 #include "common/row_ids.h"
+#include "common/team.h"
 #include "common/vec.h"
 #include "dense/dense_matrix.h"
 
@@ -224,7 +225,7 @@ struct DenseActs {
     int32_t* out = rounded.get();
     const float* src = x.data_ptr<float>();
     const int64_t src_stride = x.stride(0);
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) to_bf16_pairs(src + m * src_stride, cols, out + m * words, words);
     });
     data = out;
@@ -435,7 +436,7 @@ at::Tensor panel_rows(const at::Tensor& ids, const at::Tensor& panels, int64_t k
   const auto* base = static_cast<const uint8_t*>(panels.data_ptr());
   float* y = out.data_ptr<float>();
   const bool bf16 = panels.scalar_type() == at::kBFloat16;
-  at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* row = panel_row(base, words, id[i]);
       float* dst = y + i * k;

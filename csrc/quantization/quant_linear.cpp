@@ -66,6 +66,7 @@
 #include "common/denormals.h"
 #include "common/panel_schedule.h"
 #include "common/row_ids.h"
+#include "common/team.h"
 #include "common/vec.h"
 #include "quantization/quant_matrix.h"
 
@@ -330,7 +331,7 @@ struct QuantActs {
     words.reset(new int32_t[tiles * act_groups * kTileM * act_words]);
     scales.reset(new float[tiles * act_groups * kTileM]);
     if (w.min_term()) sums.reset(new float[rows * groups]);
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         const float* row = x + m * x_stride;
         if (w.bits == 4 && act_group == 8) {
@@ -743,7 +744,7 @@ at::Tensor QuantMatrix::rows(const at::Tensor& ids, int64_t k) const {
   const int64_t* id = flat.data_ptr<int64_t>();
   at::Tensor out = at::empty({count, k}, ids.options().dtype(at::kFloat));
   float* y = out.data_ptr<float>();
-  at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t panel = id[i] / kPanel, lane = id[i] % kPanel;
       float* row = y + i * k;

@@ -279,6 +279,48 @@ def test_a_new_recipe_runs_alike_in_the_modules_and_the_stack(
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
+class SlotsPastTheCache(CountingStack):
+    """Stands in for the native object, giving it slots past the caches: write_kv
+    refuses them inside the step, where the threads are held as a team."""
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        slot_mapping = args[5]
+        return super().forward(*args[:5], torch.full_like(slot_mapping, 1 << 40), *args[6:])
+
+
+# A team thread left waiting would hang the process in native code, out of
+# reach of a signal: the thread method ends the run instead.
+@pytest.mark.timeout(300, method="thread")
+def test_an_error_inside_a_step_reaches_the_caller_and_the_stack_serves_on(
+    default_quantized: LoadedModel,
+) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a team of two (common/team.h), on any machine
+    model: Any = default_quantized.model
+    stack = model.decoder_stack
+    native = stack.stack
+    native_op = paged_attention_op(default_quantized.device, torch.float32, 64)
+    seq = Seq(list(range(100, 140)))
+    caches = allocate_kv_caches(default_quantized.arch, 8, BLOCK, torch.float32, "cpu")
+    allocator = BlockAllocator(BLOCK)
+    try:
+        run_step(model, caches, allocator, [(seq, 39)], native_op)
+        stack.stack = SlotsPastTheCache(native)
+        with pytest.raises(RuntimeError, match="slot 1099511627776 out of range"):
+            run_step(model, caches, allocator, [(seq, 1)], native_op)
+        stack.stack = native
+        # The team's other threads were let go: the stack and every parallel
+        # region after it run, and give the modules' results.
+        stacked, _, calls = run_schedule(default_quantized, torch.float32, True)
+        modules, _, _ = run_schedule(default_quantized, torch.float32, False)
+    finally:
+        stack.stack = native
+        torch.set_num_threads(threads)
+    assert calls == 4
+    for a, b in zip(stacked, modules, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_torch_matmuls_and_disabled_kernels_get_no_stack(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
