@@ -30,8 +30,8 @@
 // to four panels read side by side, or software prefetches ahead of them, a
 // Zen 4 core streamed a fifth to a third slower). One dependent chain of
 // `vdpbf16ps` a row still reads 64 bytes every few cycles, more than a core's
-// share of DRAM bandwidth. The SwiGLU product, whose tile needs gate and up
-// vectors together, reads four vectors side by side, also without them.
+// share of DRAM bandwidth. The SwiGLU product streams the same way: the
+// whole gate_up product in one-panel tiles, then its silu pass over the rows.
 // Every shape runs the same per-lane loop, each activation row and output
 // row with its own accumulator over the words in order: a row's result
 // depends neither on the rows beside it, nor on the tile's width, nor on the
@@ -45,6 +45,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "common/denormals.h"
 #include "common/panel_schedule.h"
@@ -60,7 +61,6 @@ constexpr int64_t kPanel = 16;                      // output rows per panel
 constexpr int64_t kWordBytes = 4;                   // bytes of one row per word
 constexpr int64_t kWordStep = kPanel * kWordBytes;  // one word of a panel's rows
 constexpr int kVecsPerUnit = 2;                     // output vectors per tile
-constexpr int kWideVecsPerUnit = 4;                 // the same with few rows
 // With many rows, how far ahead of a tile's loads its panels are requested: a
 // tile re-reads its panels from L3 or DRAM where they outgrow the L2 (a
 // float32 panel of K = 8192 is 512 KB), and the hardware prefetcher restarts
@@ -325,35 +325,34 @@ void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const Dense
   });
 }
 
-// Output vectors the busiest thread computes with units of `per_unit` vectors
-// (few rows: the units are split into one contiguous run per thread).
-inline int64_t busiest_vecs(int64_t vecs, int64_t per_unit) {
-  const int64_t threads = std::max(1, at::get_num_threads());
-  const int64_t units = (vecs + per_unit - 1) / per_unit;
-  return (units + threads - 1) / threads * per_unit;
-}
-
-// dense_gemm with the tile shape for `rows`: few rows without silu pairs in
-// units of one panel (see the top of this file), the last narrower; with them,
-// wide units where every unit still splits evenly into gate and up vectors,
-// and the threads' shares stay as even as with narrow units (a small matrix
-// has few units). Few rows take their units in runs (run_balanced).
+// dense_gemm with the tile shape for `rows`. Few rows (a decode step): tiles of
+// one panel (top of this file). A SwiGLU product there is the gate_up product
+// whole, then silu(gate) * up row by row: a tile that takes gate and up vectors
+// together reads them side by side, two to four address streams, and a
+// batch-1 step of the default model in bfloat16 ran 2% slower with them.
 template <Kind K>
 void dense_gemm_any(const uint8_t* panels, int64_t words, int64_t n_out, const DenseActs& a,
                     int64_t rows, float* y, bool silu_pairs) {
-  if (rows <= kTileM / 2 && !silu_pairs) {
+  if (rows > kTileM / 2) {
+    dense_gemm<K, kVecsPerUnit, kTileM, true>(panels, words, n_out, a, rows, y, silu_pairs);
+    return;
+  }
+  if (!silu_pairs) {
     dense_gemm<K, kVecsPerPanel, kTileM / 2, false>(panels, words, n_out, a, rows, y, false);
     return;
   }
-  const int64_t vecs = (n_out + kRowsPerVec - 1) / kRowsPerVec;
-  const bool wide = rows <= kTileM / 2 &&
-                    n_out / 2 / kRowsPerVec % (kWideVecsPerUnit / 2) == 0 &&
-                    busiest_vecs(vecs, kWideVecsPerUnit) <= busiest_vecs(vecs, kVecsPerUnit);
-  if (wide) {
-    dense_gemm<K, kWideVecsPerUnit, kTileM / 2, false>(panels, words, n_out, a, rows, y,
-                                                       silu_pairs);
-  } else {
-    dense_gemm<K, kVecsPerUnit, kTileM, true>(panels, words, n_out, a, rows, y, silu_pairs);
+  // Grows to the widest gate_up of a decode step and is kept: every layer's MLP
+  // uses it.
+  static thread_local std::vector<float> both;
+  both.resize(rows * n_out);
+  dense_gemm<K, kVecsPerPanel, kTileM / 2, false>(panels, words, n_out, a, rows, both.data(),
+                                                  false);
+  const int64_t half = n_out / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = both.data() + r * n_out;
+    for (int64_t j = 0; j < half; j += kLanes) {
+      silu_lanes(gate + j, gate + half + j, y + r * half + j, std::min(kLanes, half - j));
+    }
   }
 }
 
