@@ -45,11 +45,11 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
-#include <vector>
 
 #include "common/denormals.h"
 #include "common/panel_schedule.h"
 #include "common/row_ids.h"
+#include "common/silu_product.h"
 #include "common/team.h"
 #include "common/vec.h"
 #include "dense/dense_matrix.h"
@@ -341,19 +341,9 @@ void dense_gemm_any(const uint8_t* panels, int64_t words, int64_t n_out, const D
     dense_gemm<K, kVecsPerPanel, kTileM / 2, false>(panels, words, n_out, a, rows, y, false);
     return;
   }
-  // Grows to the widest gate_up of a decode step and is kept: every layer's MLP
-  // uses it.
-  static thread_local std::vector<float> both;
-  both.resize(rows * n_out);
-  dense_gemm<K, kVecsPerPanel, kTileM / 2, false>(panels, words, n_out, a, rows, both.data(),
-                                                  false);
-  const int64_t half = n_out / 2;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gate = both.data() + r * n_out;
-    for (int64_t j = 0; j < half; j += kLanes) {
-      silu_lanes(gate + j, gate + half + j, y + r * half + j, std::min(kLanes, half - j));
-    }
-  }
+  silu_of_whole_product(rows, n_out, y, [&](float* whole) {
+    dense_gemm<K, kVecsPerPanel, kTileM / 2, false>(panels, words, n_out, a, rows, whole, false);
+  });
 }
 
 }  // namespace

@@ -202,7 +202,7 @@ def test_few_rows_split_by_vectors_between_threads(dtype: torch.dtype, threads: 
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows", [1, 5, 130])
+@pytest.mark.parametrize("rows", [1, 4, 5, 130])  # up to 4: the whole product, then silu
 def test_the_fused_activation_equals_projection_then_silu(dtype: torch.dtype, rows: int) -> None:
     n, k = 96, 40  # each half three panels
     w = pack_panels(weight(n, k, dtype))
