@@ -4,9 +4,10 @@
 //
 // at::parallel_for opens an OpenMP region per call: a fork and a join, each a
 // round of cache lines passed between the cores. A batch-1 step of the default
-// model opens about 150 of them, and where the host places the two cores on
-// different dies a fork and a join took 4 us together against a matmul's 20
-// to 30. Inside with_team, one region spans the whole call: its first thread
+// model opens about 150 of them, and in minutes when this 2-vCPU host reads
+// memory fastest (likely its two cores on different dies) an empty region
+// took 1.35-1.6 us, against a matmul's 20 to 30, where the team below hands
+// over an empty share in 0.5. Inside with_team, one region spans the whole call: its first thread
 // runs the call, and tokenloom::parallel_for hands the other threads their
 // chunks through one cache line they wait on, and waits for them on another.
 // Outside with_team, and inside a chunk (a nested call), it is
@@ -23,9 +24,31 @@
 #include <cstdint>
 #include <exception>
 #include <mutex>
+#include <thread>
 #include <utility>
 
 namespace tokenloom {
+
+// Pauses before a waiting team thread starts yielding its core at every check:
+// about 25 us on Zen 4, longer than a step's longest wait (a batch-1 decode's
+// attention, 12-14 us). Past it, the thread waited on likely lacks a core
+// (torch told to use more threads than the host has cores, or a busy host),
+// and spinning on would hold the core it needs: a step then took 100 times as
+// long.
+constexpr int kSpinsBeforeYield = 1 << 10;
+
+// Returns once done(): spinning, then yielding the core at each check.
+template <class Done>
+void wait_until(const Done& done) {
+  for (int spins = 0; !done();) {
+    if (spins < kSpinsBeforeYield) {
+      ++spins;
+      _mm_pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
 
 // Whether this thread is running a team's chunk: a parallel_for there runs inline.
 inline thread_local bool in_team_chunk = false;
@@ -45,7 +68,7 @@ class Team {
     pending_.store(size_ - 1, std::memory_order_relaxed);
     job_.posted.store(job_.posted.load(std::memory_order_relaxed) + 1, std::memory_order_release);
     run_chunk(0);
-    while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+    wait_until([&] { return pending_.load(std::memory_order_acquire) == 0; });
     if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
   }
 
@@ -56,8 +79,8 @@ class Team {
   void serve(int64_t index) {
     uint64_t seen = 0;
     while (true) {
-      uint64_t posted;
-      while ((posted = job_.posted.load(std::memory_order_acquire)) == seen) _mm_pause();
+      wait_until([&] { return job_.posted.load(std::memory_order_acquire) != seen; });
+      const uint64_t posted = job_.posted.load(std::memory_order_acquire);
       seen = posted;
       if (posted == kClosed) return;
       run_chunk(index);

@@ -6,6 +6,7 @@ batch shape the stack serves."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -319,6 +320,26 @@ def test_an_error_inside_a_step_reaches_the_caller_and_the_stack_serves_on(
     assert calls == 4
     for a, b in zip(stacked, modules, strict=True):
         assert torch.equal(a, b)
+
+
+# More threads than cores: a team of more than two, whose waiting threads
+# yield their cores (common/team.h), and a hang caught as in the test above.
+@pytest.mark.timeout(300, method="thread")
+def test_a_team_larger_than_the_cores_gives_the_same_bits(
+    default_quantized: LoadedModel,
+) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)) + 2)
+    try:
+        stacked, stacked_caches, calls = run_schedule(default_quantized, torch.float32, True)
+        modules, module_caches, _ = run_schedule(default_quantized, torch.float32, False)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == 4
+    for a, b in zip(stacked, modules, strict=True):
+        assert torch.equal(a, b)
+    for (k1, v1), (k2, v2) in zip(stacked_caches, module_caches, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
 def test_torch_matmuls_and_disabled_kernels_get_no_stack(
