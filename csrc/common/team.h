@@ -79,8 +79,8 @@ class Team {
   void serve(int64_t index) {
     uint64_t seen = 0;
     while (true) {
-      wait_until([&] { return job_.posted.load(std::memory_order_acquire) != seen; });
-      const uint64_t posted = job_.posted.load(std::memory_order_acquire);
+      uint64_t posted = seen;
+      wait_until([&] { return (posted = job_.posted.load(std::memory_order_acquire)) != seen; });
       seen = posted;
       if (posted == kClosed) return;
       run_chunk(index);
