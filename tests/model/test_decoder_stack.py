@@ -7,7 +7,8 @@ batch shape the stack serves."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,29 @@ def run_schedule(
     return logits, caches, counter.calls
 
 
+def assert_stack_equals_modules(loaded: LoadedModel, cache_dtype: torch.dtype) -> None:
+    """MIXED_STEPS through the stack and through the modules: every step but the
+    first through the stack, and the same logits and caches bit for bit."""
+    stacked, stacked_caches, calls = run_schedule(loaded, cache_dtype, True)
+    modules, module_caches, unused = run_schedule(loaded, cache_dtype, False)
+    assert (calls, unused) == (4, 0)
+    for a, b in zip(stacked, modules, strict=True):
+        assert torch.equal(a, b)
+    for (k1, v1), (k2, v2) in zip(stacked_caches, module_caches, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@contextmanager
+def intra_op_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``count`` inside, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 # Both cache dtypes on the quantized weights; the float weights with the cache
 # their dtype gets under kv_cache_dtype=auto.
 @pytest.mark.parametrize(
@@ -130,13 +154,7 @@ def test_stack_equals_the_modules_bit_for_bit(
     default_any: LoadedModel, cache_dtype: torch.dtype
 ) -> None:
     assert isinstance(default_any.model.decoder_stack, DecoderStack)
-    stacked, stacked_caches, calls = run_schedule(default_any, cache_dtype, True)
-    modules, module_caches, unused = run_schedule(default_any, cache_dtype, False)
-    assert (calls, unused) == (4, 0)  # every step but the first went through the stack
-    for a, b in zip(stacked, modules, strict=True):
-        assert torch.equal(a, b)
-    for (k1, v1), (k2, v2) in zip(stacked_caches, module_caches, strict=True):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert_stack_equals_modules(default_any, cache_dtype)
 
 
 @pytest.mark.parametrize("use_stack", [True, False])
@@ -295,8 +313,6 @@ class SlotsPastTheCache(CountingStack):
 def test_an_error_inside_a_step_reaches_the_caller_and_the_stack_serves_on(
     default_quantized: LoadedModel,
 ) -> None:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # a team of two (common/team.h), on any machine
     model: Any = default_quantized.model
     stack = model.decoder_stack
     native = stack.stack
@@ -304,22 +320,17 @@ def test_an_error_inside_a_step_reaches_the_caller_and_the_stack_serves_on(
     seq = Seq(list(range(100, 140)))
     caches = allocate_kv_caches(default_quantized.arch, 8, BLOCK, torch.float32, "cpu")
     allocator = BlockAllocator(BLOCK)
-    try:
-        run_step(model, caches, allocator, [(seq, 39)], native_op)
-        stack.stack = SlotsPastTheCache(native)
-        with pytest.raises(RuntimeError, match="slot 1099511627776 out of range"):
-            run_step(model, caches, allocator, [(seq, 1)], native_op)
-        stack.stack = native
+    with intra_op_threads(2):  # a team of two (common/team.h), on any machine
+        try:
+            run_step(model, caches, allocator, [(seq, 39)], native_op)
+            stack.stack = SlotsPastTheCache(native)
+            with pytest.raises(RuntimeError, match="slot 1099511627776 out of range"):
+                run_step(model, caches, allocator, [(seq, 1)], native_op)
+        finally:
+            stack.stack = native
         # The team's other threads were let go: the stack and every parallel
         # region after it run, and give the modules' results.
-        stacked, _, calls = run_schedule(default_quantized, torch.float32, True)
-        modules, _, _ = run_schedule(default_quantized, torch.float32, False)
-    finally:
-        stack.stack = native
-        torch.set_num_threads(threads)
-    assert calls == 4
-    for a, b in zip(stacked, modules, strict=True):
-        assert torch.equal(a, b)
+        assert_stack_equals_modules(default_quantized, torch.float32)
 
 
 # More threads than cores: a team of more than two, whose waiting threads
@@ -328,18 +339,8 @@ def test_an_error_inside_a_step_reaches_the_caller_and_the_stack_serves_on(
 def test_a_team_larger_than_the_cores_gives_the_same_bits(
     default_quantized: LoadedModel,
 ) -> None:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(len(os.sched_getaffinity(0)) + 2)
-    try:
-        stacked, stacked_caches, calls = run_schedule(default_quantized, torch.float32, True)
-        modules, module_caches, _ = run_schedule(default_quantized, torch.float32, False)
-    finally:
-        torch.set_num_threads(threads)
-    assert calls == 4
-    for a, b in zip(stacked, modules, strict=True):
-        assert torch.equal(a, b)
-    for (k1, v1), (k2, v2) in zip(stacked_caches, module_caches, strict=True):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    with intra_op_threads(len(os.sched_getaffinity(0)) + 2):
+        assert_stack_equals_modules(default_quantized, torch.float32)
 
 
 def test_torch_matmuls_and_disabled_kernels_get_no_stack(
