@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from tests.torch_threads import intra_op_threads
 from tokenloom.ops.cpu_kernels import bind_threads_to_cores
 
 
@@ -25,9 +26,7 @@ def _single_cpu_threads() -> set[int]:
 def test_bind_threads_pins_workers_and_leaves_the_caller_free() -> None:
     allowed = os.sched_getaffinity(0)
     threads = min(torch.get_num_threads(), len(allowed))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with intra_op_threads(threads):
         cpus = bind_threads_to_cores()
         assert cpus == sorted(allowed)[:threads]
         assert os.sched_getaffinity(0) == allowed  # the calling thread is not confined
@@ -36,5 +35,3 @@ def test_bind_threads_pins_workers_and_leaves_the_caller_free() -> None:
         # Work still runs (and agrees) on the pinned pool.
         a = torch.randn(256, 256)
         assert torch.allclose(a @ a, (a.double() @ a.double()).float(), atol=1e-3)
-    finally:
-        torch.set_num_threads(previous)

@@ -7,8 +7,7 @@ batch shape the stack serves."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from tests.model.harness import BlockAllocator, Seq, run_step
 from tests.quantization.blocks import write_tiny_gguf
+from tests.torch_threads import intra_op_threads
 from tokenloom.config import ModelConfig
 from tokenloom.model.attention import NATIVE_MAX_QUERY, AttentionMetadata
 from tokenloom.model.decoder_stack import DecoderStack, implemented_steps
@@ -125,17 +125,6 @@ def assert_stack_equals_modules(loaded: LoadedModel, cache_dtype: torch.dtype) -
         assert torch.equal(a, b)
     for (k1, v1), (k2, v2) in zip(stacked_caches, module_caches, strict=True):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
-
-
-@contextmanager
-def intra_op_threads(count: int) -> Iterator[None]:
-    """torch's intra-op threads set to ``count`` inside, restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 # Both cache dtypes on the quantized weights; the float weights with the cache

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.torch_threads import intra_op_threads
 from tokenloom.model.panel_linear import (
     PANEL,
     DensePanels,
@@ -112,25 +113,20 @@ def test_a_row_does_not_depend_on_the_batch_or_the_threads(dtype: torch.dtype) -
     )
     for rows in range(1, 40):
         assert torch.equal(torch.ops.tokenloom_cpu.dense_linear(x[:rows], w, k, n), alone[:rows])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with intra_op_threads(1):
         single = torch.ops.tokenloom_cpu.dense_linear(x, w, k, n)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(single, alone)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_few_rows_in_wide_tiles_sum_as_many_rows_do(dtype: torch.dtype) -> None:
-    """A decode's few rows run in tiles of more output vectors (on one thread the
-    kernel takes them whatever the core count): each row equals the same row among
-    many, plainly and with the fused activation, a partial last tile included."""
+def test_few_rows_in_one_panel_tiles_sum_as_many_rows_do(dtype: torch.dtype) -> None:
+    """A decode's few rows run in tiles of one panel (one or two rows of them
+    requesting their panel ahead as non-temporal), many rows in wider tiles: on
+    one thread, each row equals the same row among many, plainly and with the
+    fused activation, a partial last panel included."""
     k = 77
     x = torch.randn(24, k, generator=torch.Generator().manual_seed(2))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with intra_op_threads(1):
         for n in (128, 136):
             w = pack_panels(weight(n, k, dtype))
             many = torch.ops.tokenloom_cpu.dense_linear(x, w, k, n)
@@ -144,8 +140,6 @@ def test_few_rows_in_wide_tiles_sum_as_many_rows_do(dtype: torch.dtype) -> None:
             assert torch.equal(
                 torch.ops.tokenloom_cpu.dense_linear_silu(x[:rows], w, k, 128), many[:rows]
             )
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -162,17 +156,13 @@ def test_decode_rows_are_exact_when_threads_take_over_each_others_runs(
     k, n = 256, 16 * 96
     w = pack_panels(weight(n, k, dtype, seed=4))
     batches = torch.randn(40, rows, k, generator=torch.Generator().manual_seed(5))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with intra_op_threads(1):
         expected = [torch.ops.tokenloom_cpu.dense_linear(x, w, k, n) for x in batches]
         expected_silu = [torch.ops.tokenloom_cpu.dense_linear_silu(x, w, k, n) for x in batches]
-        torch.set_num_threads(threads)
+    with intra_op_threads(threads):
         for x, plain_out, silu_out in zip(batches, expected, expected_silu, strict=True):
             assert torch.equal(torch.ops.tokenloom_cpu.dense_linear(x, w, k, n), plain_out)
             assert torch.equal(torch.ops.tokenloom_cpu.dense_linear_silu(x, w, k, n), silu_out)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -184,9 +174,7 @@ def test_few_rows_split_by_vectors_between_threads(dtype: torch.dtype, threads: 
     each row equals the same row among many (which run in fixed units)."""
     k = 40
     x = torch.randn(24, k, generator=torch.Generator().manual_seed(3))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with intra_op_threads(threads):
         for vecs in (1, 5, 9, 15, 22):
             for n in (16 * vecs, 16 * vecs - 3):
                 plain = weight(n, k, dtype)
@@ -197,8 +185,6 @@ def test_few_rows_split_by_vectors_between_threads(dtype: torch.dtype, threads: 
                     assert torch.equal(
                         torch.ops.tokenloom_cpu.dense_linear(x[:rows], w, k, n), many[:rows]
                     ), (n, rows)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

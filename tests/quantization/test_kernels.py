@@ -20,6 +20,7 @@ from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from tests.quantization.blocks import LAYOUTS, random_gguf, random_layout
+from tests.torch_threads import intra_op_threads
 from tokenloom.model.panel_linear import use_native_matmul
 from tokenloom.quantization.formats import (
     GGUF_TYPES,
@@ -290,15 +291,11 @@ def test_threads_share_blocks_of_rows_and_panels_exactly(threads: int) -> None:
     weight = quantize_float(torch.randn(16 * 13 + 5, 4096, generator=gen), "int4")
     x = torch.randn(150, 4096, generator=gen)
     panels = PanelWeight.from_rows(weight)
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with intra_op_threads(1):
         single = quant_matmul(x, panels)
-        torch.set_num_threads(threads)
+    with intra_op_threads(threads):
         check_native(x, weight)
         assert torch.equal(quant_matmul(x, panels), single)
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("threads", [3, 4])
@@ -313,15 +310,11 @@ def test_decode_rows_are_exact_when_threads_take_over_each_others_runs(
     weight = quantize_float(torch.randn(16 * 96 + 5, 512, generator=gen), "int4")
     panels = PanelWeight.from_rows(weight)
     batches = torch.randn(40, rows, 512, generator=gen)
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with intra_op_threads(1):
         expected = [quant_matmul(x, panels) for x in batches]
-        torch.set_num_threads(threads)
+    with intra_op_threads(threads):
         for x, out in zip(batches, expected, strict=True):
             assert torch.equal(quant_matmul(x, panels), out)
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("act_group", ACT_GROUPS)
