@@ -29,11 +29,11 @@
 // address stream that the hardware prefetcher follows at full speed (with two
 // to four panels read side by side, or prefetches a page ahead of them, a
 // Zen 4 core streamed a fifth to a third slower). At one or two rows the
-// tile requests its panel's next lines as non-temporal (see Ahead). One dependent chain of
-// `vdpbf16ps` a row still reads 64 bytes every few cycles, more than a core's
-// share of DRAM bandwidth. The SwiGLU product streams the same way: the
-// whole gate_up product in one-panel tiles, then its silu pass over the rows.
-// Every shape runs the same per-lane loop, each activation row and output
+// tile requests its panel's next lines as non-temporal (see Ahead). One
+// dependent chain of `vdpbf16ps` a row still reads 64 bytes every few
+// cycles, more than a core's share of DRAM bandwidth. The SwiGLU product
+// streams the same way: the whole gate_up product in one-panel tiles, then
+// its silu pass over the rows. Every shape runs the same per-lane loop, each activation row and output
 // row with its own accumulator over the words in order: a row's result
 // depends neither on the rows beside it, nor on the tile's width, nor on the
 // thread count.
@@ -74,7 +74,7 @@ enum class Ahead {
   // line is used once. A decode step's weights pass once (270 MB a batch-1
   // step of the default model in bfloat16) and, loaded plainly, leave the
   // caches full of lines nothing reads again. With the hint a batch-1 step
-  // took 4-6% less, everywhere in it (the host's work outside the model
+  // took 5-8% less, everywhere in it (the host's work outside the model
   // 0.80 -> 0.67 ms, the layers 7.75 -> 7.32, the LM head 1.80 -> 1.67),
   // two rows 3% less; the same prefetches without the hint gained nothing,
   // and at three or four rows the hint cost 1-3%. Those tiles request
@@ -323,8 +323,7 @@ void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const Dense
         w[j] = vec_at(u * kHalf + j);
         w[kHalf + j] = vec_at(u * kHalf + j + half_vecs);
       }
-      any_tile<K, NVU, TileM, A>(tile_rows, NVU, w, words, x, a.stride, out,
-                                        NVU * kRowsPerVec);
+      any_tile<K, NVU, TileM, A>(tile_rows, NVU, w, words, x, a.stride, out, NVU * kRowsPerVec);
       for (int64_t r = 0; r < tile_rows; ++r) {
         const float* o = out + r * NVU * kRowsPerVec;
         for (int j = 0; j < kHalf; ++j) {
@@ -338,12 +337,11 @@ void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const Dense
     for (int64_t j = 0; j < nv; ++j) w[j] = vec_at(v0 + j);
     // Whole vectors go straight to y; a ragged last unit through `out`.
     if (count == nv * kRowsPerVec) {
-      any_tile<K, NVU, TileM, A>(tile_rows, nv, w, words, x, a.stride,
-                                        y + m * out_cols + n0, out_cols);
+      any_tile<K, NVU, TileM, A>(tile_rows, nv, w, words, x, a.stride, y + m * out_cols + n0,
+                                 out_cols);
       return;
     }
-    any_tile<K, NVU, TileM, A>(tile_rows, nv, w, words, x, a.stride, out,
-                                      nv * kRowsPerVec);
+    any_tile<K, NVU, TileM, A>(tile_rows, nv, w, words, x, a.stride, out, nv * kRowsPerVec);
     for (int64_t r = 0; r < tile_rows; ++r) {
       std::memcpy(y + (m + r) * out_cols + n0, out + r * nv * kRowsPerVec, count * sizeof(float));
     }
@@ -359,15 +357,18 @@ template <Kind K>
 void dense_gemm_any(const uint8_t* panels, int64_t words, int64_t n_out, const DenseActs& a,
                     int64_t rows, float* y, bool silu_pairs) {
   if (rows > kTileM / 2) {
-    dense_gemm<K, kVecsPerUnit, kTileM, Ahead::kPage>(panels, words, n_out, a, rows, y, silu_pairs);
+    dense_gemm<K, kVecsPerUnit, kTileM, Ahead::kPage>(panels, words, n_out, a, rows, y,
+                                                      silu_pairs);
     return;
   }
   if (!silu_pairs) {
-    dense_gemm<K, kVecsPerPanel, kTileM / 2, Ahead::kNonTemporal>(panels, words, n_out, a, rows, y, false);
+    dense_gemm<K, kVecsPerPanel, kTileM / 2, Ahead::kNonTemporal>(panels, words, n_out, a, rows,
+                                                                  y, false);
     return;
   }
   silu_of_whole_product(rows, n_out, y, [&](float* whole) {
-    dense_gemm<K, kVecsPerPanel, kTileM / 2, Ahead::kNonTemporal>(panels, words, n_out, a, rows, whole, false);
+    dense_gemm<K, kVecsPerPanel, kTileM / 2, Ahead::kNonTemporal>(panels, words, n_out, a, rows,
+                                                                  whole, false);
   });
 }
 
