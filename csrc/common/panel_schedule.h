@@ -6,9 +6,11 @@
 // The output is `units` runs of panels by `rows` activation rows. A thread
 // works on blocks of both that fit its L2 together (kBlockBytes of weights
 // and of activations), so that with many rows neither is re-read from L3 per
-// unit, and within a block calls tile(unit, m0, tile_rows) for each unit and
-// each tile of at most tile_m rows; with one tile of rows, whose weights
-// stream through once, it takes the units in runs (run_balanced). Which thread
+// unit, and within a block calls tile(unit, m0, tile_rows, next) for each unit
+// and each tile of at most tile_m rows. With one block of rows (a decode
+// step, a short prompt) it takes the units in runs (run_balanced), each
+// unit's tiles in turn, and `next` names a share of the next unit's weights
+// for the tile to request while it computes (NextUnitShare). Which thread
 // computes a tile never changes its result: every tile runs the same loop.
 #pragma once
 
@@ -31,8 +33,8 @@ constexpr int64_t kBlockBytes = 256 << 10;
 constexpr int64_t kChunksPerThread = 8;
 
 // body(u) for every unit u in [0, units), on up to `threads` of torch's
-// intra-op threads, for matmuls whose weights' bytes bound the time (one or
-// a few activation rows). Each thread owns a contiguous run of units, which it
+// intra-op threads, for matmuls whose weights stream through once (one block
+// of activation rows). Each thread owns a contiguous run of units, which it
 // takes front to back one unit at a time: one address stream, which the
 // hardware prefetcher follows. A thread whose run is done takes the back half
 // of the run with the most units left. Two threads streaming equal halves end
@@ -102,12 +104,48 @@ void run_balanced(int64_t units, int64_t threads, const Body& body) {
   });
 }
 
+// The share of the next unit's weights that one of a unit's tiles requests
+// while it computes: part `part` of `parts` equal parts of unit `unit`
+// (none when unit < 0). A unit's first tile reads its weights from DRAM and
+// the rest re-read them from the caches: unrequested, the next unit's weights
+// would only start to stream with its first tile, which then waits on DRAM
+// while the core's arithmetic idles, and the later tiles compute while DRAM
+// idles. Requested a part a tile, they stream during the arithmetic.
+struct NextUnitShare {
+  int64_t unit;
+  int64_t part;
+  int64_t parts;
+};
+constexpr NextUnitShare kNoNextUnit{-1, 0, 1};
+
 // unit_bytes: the weights of one unit; tile_bytes: the activations of tile_m rows.
 template <class Tile>
 void run_panel_tiles(int64_t units, int64_t rows, int64_t tile_m, int64_t unit_bytes,
                      int64_t tile_bytes, const Tile& tile) {
   const int64_t block_units = std::max<int64_t>(1, kBlockBytes / unit_bytes);
   const int64_t block_rows = tile_m * std::max<int64_t>(1, kBlockBytes / tile_bytes);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), units);
+  // One block of rows: each unit's tiles in turn, the units in runs, whose
+  // weights stream through once. A thread's next unit is the next one of its
+  // run, unless a thief took it.
+  if (rows <= block_rows) {
+    const int64_t parts = (rows + tile_m - 1) / tile_m;
+    const auto unit_tiles = [&](int64_t u) {
+      // A unit of one tile is one stream, which the tile's own prefetches lead.
+      for (int64_t part = 0; part < parts; ++part) {
+        const NextUnitShare share{u + 1, part, parts};
+        tile(u, part * tile_m, std::min(tile_m, rows - part * tile_m),
+             parts > 1 && u + 1 < units ? share : kNoNextUnit);
+      }
+    };
+    if (threads <= 1) {
+      const FlushDenormals flush;
+      for (int64_t u = 0; u < units; ++u) unit_tiles(u);
+      return;
+    }
+    run_balanced(units, threads, unit_tiles);
+    return;
+  }
   // Units [begin, end) on rows [row_begin, row_end), in L2-sized blocks.
   const auto run_units = [&](int64_t begin, int64_t end, int64_t row_begin, int64_t row_end) {
     const FlushDenormals flush;
@@ -115,23 +153,18 @@ void run_panel_tiles(int64_t units, int64_t rows, int64_t tile_m, int64_t unit_b
       for (int64_t m0 = row_begin; m0 < row_end; m0 += block_rows) {
         const int64_t m_end = std::min(row_end, m0 + block_rows);
         for (int64_t u = u0; u < std::min(end, u0 + block_units); ++u) {
-          for (int64_t m = m0; m < m_end; m += tile_m) tile(u, m, std::min(tile_m, m_end - m));
+          for (int64_t m = m0; m < m_end; m += tile_m) {
+            tile(u, m, std::min(tile_m, m_end - m), kNoNextUnit);
+          }
         }
       }
     }
   };
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), units);
   if (threads <= 1) {
     run_units(0, units, 0, rows);
     return;
   }
-  // One tile of rows (a decode step) takes microseconds a unit: too little to
-  // hand out in chunks. Its weights stream through once, in runs of units.
-  if (rows <= tile_m) {
-    run_balanced(units, threads, [&](int64_t u) { tile(u, 0, rows); });
-    return;
-  }
-  // Otherwise chunks of a few units by one block of rows, block by block, to
+  // Many rows: chunks of a few units by one block of rows, block by block, to
   // whichever thread is free: with two equal halves, whenever the host slowed
   // one thread the other would wait at the matmul's end.
   const int64_t unit_chunk = std::max<int64_t>(1, units / (threads * kChunksPerThread));

@@ -86,6 +86,21 @@ constexpr int64_t kPageAheadBytes = 4096;
 constexpr int64_t kNonTemporalBytes = 256;
 constexpr int kNonTemporalRows = 2;
 
+// What a many-row tile requests of the next unit's weights while it computes
+// (panel_schedule.h's NextUnitShare): its part of each of `spans` runs of
+// panels (the unit's panels, or a SwiGLU unit's gate and up panels), spread
+// evenly over its words. Into L1 (prefetcht0) where a unit has three tiles or
+// more, into L2 (prefetcht1) where it has two. The default model's matmuls
+// in bfloat16, against the same tiles requesting nothing: at 9 to 16 rows L2
+// took 5-12% less, where L1 took from 13% more to 7% less; at 21 to 48 rows
+// L1 took 7-8% less, and up to 4% less than L2.
+struct NextUnitRequest {
+  const uint8_t* part[2] = {nullptr, nullptr};
+  int spans = 0;
+  int64_t step16 = 0;  // bytes of the part per word of the tile, times 2^16
+  bool into_l1 = false;
+};
+
 // Where output row `row`'s first word sits: its panel, then its place among the
 // panel's rows (word w of the row lies w * kWordStep bytes further on).
 inline const uint8_t* panel_row(const uint8_t* panels, int64_t words, int64_t row) {
@@ -148,7 +163,8 @@ constexpr Kind bf16_kind() { return TL_BF16_DOT ? Kind::kBf16Dot : Kind::kBf16Wi
 // Not inlined: one copy per shape, as in the quantized kernel.
 template <Kind K, int MR, int NV, Ahead A>
 __attribute__((noinline)) void dense_tile(const uint8_t* const* w, int64_t words, const void* x,
-                                          int64_t x_stride, float* out, int64_t out_stride) {
+                                          int64_t x_stride, float* out, int64_t out_stride,
+                                          const NextUnitRequest& next) {
   fvec_t acc[MR][NV];
   for (auto& row : acc) {
     for (auto& v : row) v = zero_f();
@@ -165,6 +181,14 @@ __attribute__((noinline)) void dense_tile(const uint8_t* const* w, int64_t words
       for (int j = 0; j < NV; ++j) {
         _mm_prefetch(reinterpret_cast<const char*>(wp[j] + t * kWordStep + kPageAheadBytes),
                      _MM_HINT_T0);
+      }
+      for (int s = 0; s < next.spans; ++s) {
+        const char* line = reinterpret_cast<const char*>(next.part[s] + (t * next.step16 >> 16));
+        if (next.into_l1) {
+          _mm_prefetch(line, _MM_HINT_T0);
+        } else {
+          _mm_prefetch(line, _MM_HINT_T1);
+        }
       }
     } else if constexpr (MR <= kNonTemporalRows) {
       // The tile's vectors lie in one panel's words (kVecsPerPanel), one line
@@ -213,14 +237,14 @@ __attribute__((noinline)) void dense_tile(const uint8_t* const* w, int64_t words
 // dense_tile for `rows` (1 to MR) activation rows and `nv` (1 to NV) vectors.
 template <Kind K, int NV, int MR, Ahead A>
 void any_tile(int64_t rows, int64_t nv, const uint8_t* const* w, int64_t words, const void* x,
-              int64_t x_stride, float* out, int64_t out_stride) {
+              int64_t x_stride, float* out, int64_t out_stride, const NextUnitRequest& next) {
   if constexpr (NV > 0 && MR > 0) {
     if (nv < NV) {
-      any_tile<K, NV - 1, MR, A>(rows, nv, w, words, x, x_stride, out, out_stride);
+      any_tile<K, NV - 1, MR, A>(rows, nv, w, words, x, x_stride, out, out_stride, next);
     } else if (rows == MR) {
-      dense_tile<K, MR, NV, A>(w, words, x, x_stride, out, out_stride);
+      dense_tile<K, MR, NV, A>(w, words, x, x_stride, out, out_stride, next);
     } else {
-      any_tile<K, NV, MR - 1, A>(rows, nv, w, words, x, x_stride, out, out_stride);
+      any_tile<K, NV, MR - 1, A>(rows, nv, w, words, x, x_stride, out, out_stride, next);
     }
   }
 }
@@ -303,8 +327,30 @@ void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const Dense
   const auto vec_at = [&](int64_t v) { return panel_row(panels, words, v * kRowsPerVec); };
   const int64_t unit_bytes = panel_bytes * NVU * kRowsPerVec / kPanel;
   const int64_t tile_bytes = TileM * words * kWordBytes * (K == Kind::kBf16Dot ? 1 : 2);
-  run_panel_tiles(units, rows, TileM, unit_bytes, tile_bytes, [&](int64_t u, int64_t m, int64_t tile_rows) {
+  // The panels holding output vector v and those after it (panels follow one
+  // another; on AVX2 a silu unit's gate vector is half a panel, whose words
+  // interleave with the other half's, so its span is the whole panel).
+  const auto span_at = [&](int64_t v) { return panels + v * kRowsPerVec / kPanel * panel_bytes; };
+  const int64_t half_span = std::max(panel_bytes, unit_bytes / 2);
+  run_panel_tiles(units, rows, TileM, unit_bytes, tile_bytes, [&](int64_t u, int64_t m,
+                                                                 int64_t tile_rows,
+                                                                 const NextUnitShare& share) {
     alignas(64) float out[TileM * NVU * kRowsPerVec];
+    NextUnitRequest next;
+    if (share.unit >= 0) {
+      const int64_t span_bytes = silu_pairs ? half_span : unit_bytes;
+      const int64_t part_bytes = span_bytes / share.parts, skip = share.part * part_bytes;
+      if (silu_pairs) {
+        next.part[0] = span_at(share.unit * kHalf) + skip;
+        next.part[1] = span_at(share.unit * kHalf + half_vecs) + skip;
+        next.spans = 2;
+      } else {
+        next.part[0] = span_at(share.unit * NVU) + skip;
+        next.spans = 1;
+      }
+      next.step16 = (part_bytes << 16) / words;
+      next.into_l1 = share.parts > 2;
+    }
     const void* x = static_cast<const char*>(a.data) +
                     m * a.stride * (K == Kind::kBf16Dot ? sizeof(int32_t) : sizeof(float));
     const uint8_t* w[NVU];
@@ -323,7 +369,8 @@ void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const Dense
         w[j] = vec_at(u * kHalf + j);
         w[kHalf + j] = vec_at(u * kHalf + j + half_vecs);
       }
-      any_tile<K, NVU, TileM, A>(tile_rows, NVU, w, words, x, a.stride, out, NVU * kRowsPerVec);
+      any_tile<K, NVU, TileM, A>(tile_rows, NVU, w, words, x, a.stride, out, NVU * kRowsPerVec,
+                                 next);
       for (int64_t r = 0; r < tile_rows; ++r) {
         const float* o = out + r * NVU * kRowsPerVec;
         for (int j = 0; j < kHalf; ++j) {
@@ -338,10 +385,10 @@ void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const Dense
     // Whole vectors go straight to y; a ragged last unit through `out`.
     if (count == nv * kRowsPerVec) {
       any_tile<K, NVU, TileM, A>(tile_rows, nv, w, words, x, a.stride, y + m * out_cols + n0,
-                                 out_cols);
+                                 out_cols, next);
       return;
     }
-    any_tile<K, NVU, TileM, A>(tile_rows, nv, w, words, x, a.stride, out, nv * kRowsPerVec);
+    any_tile<K, NVU, TileM, A>(tile_rows, nv, w, words, x, a.stride, out, nv * kRowsPerVec, next);
     for (int64_t r = 0; r < tile_rows; ++r) {
       std::memcpy(y + (m + r) * out_cols + n0, out + r * nv * kRowsPerVec, count * sizeof(float));
     }

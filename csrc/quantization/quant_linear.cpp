@@ -584,8 +584,11 @@ void panel_gemm(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t 
   const int64_t tile_bytes =
       a.act_groups * kTileM * (a.act_words * sizeof(int32_t) + sizeof(float));
   const int64_t unit_bytes = panel_bytes * (pairs ? 2 : 1);
+  // The next unit's share goes unrequested: these weights are a quarter to
+  // half of bfloat16's bytes, and a unit's tiles compute longer.
   run_panel_tiles(units, rows, kTileM, unit_bytes, tile_bytes, [&](int64_t u, int64_t m,
-                                                                   int64_t tile_rows) {
+                                                                   int64_t tile_rows,
+                                                                   const NextUnitShare&) {
     if (!pairs) {
       for (int64_t lane = 0; lane < kPanel; lane += kRowsPerVec) {
         const int64_t n0 = u * kPanel + lane;

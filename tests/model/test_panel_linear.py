@@ -144,15 +144,15 @@ def test_few_rows_in_one_panel_tiles_sum_as_many_rows_do(dtype: torch.dtype) -> 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("threads", [3, 4])
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 20])  # 20: three tiles a unit
 def test_decode_rows_are_exact_when_threads_take_over_each_others_runs(
     dtype: torch.dtype, threads: int, rows: int
 ) -> None:
     """A decode step's rows on more threads than cores: the system stops some
-    threads mid-run, and the others take over the ends of their runs. Every
-    output vector is still written, with the same bits as on one thread,
-    plainly and with the fused SwiGLU (whose units interleave gate and up
-    panels)."""
+    threads mid-run, and the others take over the ends of their runs, whose
+    units' tiles request the next unit's weights. Every output vector is still
+    written, with the same bits as on one thread, plainly and with the fused
+    SwiGLU (whose units interleave gate and up panels)."""
     k, n = 256, 16 * 96
     w = pack_panels(weight(n, k, dtype, seed=4))
     batches = torch.randn(40, rows, k, generator=torch.Generator().manual_seed(5))
