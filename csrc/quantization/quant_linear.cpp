@@ -584,8 +584,10 @@ void panel_gemm(const QuantWeight& w, const QuantActs& a, int64_t rows, int64_t 
   const int64_t tile_bytes =
       a.act_groups * kTileM * (a.act_words * sizeof(int32_t) + sizeof(float));
   const int64_t unit_bytes = panel_bytes * (pairs ? 2 : 1);
-  // The next unit's share goes unrequested: these weights are a quarter to
-  // half of bfloat16's bytes, and a unit's tiles compute longer.
+  // The tiles request none of the next unit (NextUnitShare): these weights
+  // are a quarter to half of bfloat16's bytes, so less of a unit's time waits
+  // on DRAM, and the GGUF's main workload ran as fast with the units in runs
+  // as in chunks of units (458-468 output tok/s both).
   run_panel_tiles(units, rows, kTileM, unit_bytes, tile_bytes, [&](int64_t u, int64_t m,
                                                                    int64_t tile_rows,
                                                                    const NextUnitShare&) {
