@@ -33,10 +33,10 @@
 // dependent chain of `vdpbf16ps` a row still reads 64 bytes every few
 // cycles, more than a core's share of DRAM bandwidth. The SwiGLU product
 // streams the same way: the whole gate_up product in one-panel tiles, then
-// its silu pass over the rows. Every shape runs the same per-lane loop, each activation row and output
-// row with its own accumulator over the words in order: a row's result
-// depends neither on the rows beside it, nor on the tile's width, nor on the
-// thread count.
+// its silu pass over the rows. Every shape runs the same per-lane loop, each
+// activation row and output row with its own accumulator over the words in
+// order: a row's result depends neither on the rows beside it, nor on the
+// tile's width, nor on the thread count.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
