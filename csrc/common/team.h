@@ -55,49 +55,106 @@ inline thread_local bool in_team_chunk = false;
 
 class Team {
  public:
-  // f(begin, end) on each of the team's threads' chunks of [begin, end), as
-  // at::parallel_for splits them; returns when every chunk is done and
-  // rethrows the first exception a chunk threw.
+  // f(begin, end) on chunks of [begin, end), as at::parallel_for splits them;
+  // returns when every chunk is done and rethrows the first exception a chunk
+  // threw. The caller runs the first chunk and each other goes to whichever
+  // team thread claims it first, the caller included: a thread busy with the
+  // side task (below) joins late or not at all, and nothing waits for it.
   template <class F>
   void parallel_for(int64_t begin, int64_t end, int64_t chunk, const F& f) {
+    const int64_t chunks = (end - begin + chunk - 1) / chunk;
+    TORCH_CHECK(chunks < kMaxChunks, "a team job of ", chunks, " chunks");
     job_.call = [](const void* fn, int64_t b, int64_t e) { (*static_cast<const F*>(fn))(b, e); };
     job_.fn = &f;
     job_.begin = begin;
     job_.end = end;
     job_.chunk = chunk;
-    pending_.store(size_ - 1, std::memory_order_relaxed);
-    job_.posted.store(job_.posted.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+    // Job numbers wrap around, skipping the closed mark.
+    posted_ = posted_ + 1 >= kClosed ? 1 : posted_ + 1;
+    const uint64_t seq = posted_;
+    claims_.store(claim_word(seq, 1, chunks));
     run_chunk(0);
-    wait_until([&] { return pending_.load(std::memory_order_acquire) == 0; });
+    for (int64_t c; (c = claim(seq)) >= 0;) run_chunk(c);
+    // Every chunk is claimed; those who claimed one finish it.
+    wait_until([&] { return active_.load() == 0; });
     if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
+
+  // Starts task() on another team thread, the first to be free, while the
+  // caller goes on; join_side() waits for it. One side task at a time. It runs
+  // outside the team: its own parallel_for calls run on its thread alone.
+  template <class Task>
+  void post_side(const Task& task) {
+    side_.call = [](const void* fn) { (*static_cast<const Task*>(fn))(); };
+    side_.fn = &task;
+    side_.state.store(kSidePosted);
+  }
+
+  // Returns when the posted side task is done, running it here if no team
+  // thread has started it; rethrows what it threw.
+  void join_side() {
+    if (take_side()) {
+      run_side();
+    } else {
+      wait_until([&] { return side_.state.load() == kSideDone; });
+    }
+    side_.state.store(kSideIdle);
+    if (side_.error) std::rethrow_exception(std::exchange(side_.error, nullptr));
   }
 
   int64_t size() const { return size_; }
 
-  // The team's thread `index` (not the first) until close(): waits for each
-  // job and runs its chunk.
-  void serve(int64_t index) {
-    uint64_t seen = 0;
+  // The team's thread `index` (not the first) until close(): runs the side
+  // task when one is posted, and claims the chunks of each job.
+  void serve(int64_t) {
+    uint64_t seen = 0, word = 0;
     while (true) {
-      uint64_t posted = seen;
-      wait_until([&] { return (posted = job_.posted.load(std::memory_order_acquire)) != seen; });
-      seen = posted;
-      if (posted == kClosed) return;
-      run_chunk(index);
-      pending_.fetch_sub(1, std::memory_order_release);
+      wait_until([&] {
+        word = claims_.load();
+        return seq_of(word) != seen || side_.state.load() == kSidePosted;
+      });
+      if (seq_of(word) == kClosed) return;
+      if (take_side()) {
+        run_side();
+        side_.state.store(kSideDone);
+        continue;
+      }
+      seen = seq_of(word);
+      // Counted before claiming, so that the caller, once every chunk is
+      // claimed, sees each thread that may still be running one.
+      active_.fetch_add(1);
+      for (int64_t c; (c = claim(seen)) >= 0;) run_chunk(c);
+      active_.fetch_sub(1);
     }
   }
 
-  void close() { job_.posted.store(kClosed, std::memory_order_release); }
+  void close() { claims_.store(claim_word(kClosed, 0, 0)); }
 
   void set_size(int64_t size) { size_ = size; }
 
  private:
-  static constexpr uint64_t kClosed = ~uint64_t{0};
+  // The claims word: the job's number, the next chunk to claim and the number
+  // of chunks, so that one compare-and-swap checks all three.
+  static constexpr int64_t kMaxChunks = 1 << 16;
+  static constexpr uint64_t kClosed = 0xffffffffu;
+  static uint64_t claim_word(uint64_t seq, uint64_t next, uint64_t chunks) {
+    return seq << 32 | next << 16 | chunks;
+  }
+  static uint64_t seq_of(uint64_t word) { return word >> 32; }
+
+  // The next unclaimed chunk of job `seq`, or -1 when none is left.
+  int64_t claim(uint64_t seq) {
+    uint64_t word = claims_.load();
+    while (seq_of(word) == seq && (word >> 16 & 0xffff) < (word & 0xffff)) {
+      if (claims_.compare_exchange_weak(word, word + (1 << 16))) {
+        return static_cast<int64_t>(word >> 16 & 0xffff);
+      }
+    }
+    return -1;
+  }
 
   void run_chunk(int64_t index) {
     const int64_t b = job_.begin + index * job_.chunk;
-    if (b >= job_.end) return;
     in_team_chunk = true;
     try {
       job_.call(job_.fn, b, std::min(job_.end, b + job_.chunk));
@@ -108,14 +165,36 @@ class Team {
     in_team_chunk = false;
   }
 
-  // What the first thread posts, on the line the others wait on.
-  struct alignas(64) Job {
-    std::atomic<uint64_t> posted{0};
+  enum SideState : int { kSideIdle, kSidePosted, kSideTaken, kSideDone };
+
+  bool take_side() {
+    int posted = kSidePosted;
+    return side_.state.compare_exchange_strong(posted, kSideTaken);
+  }
+
+  void run_side() {
+    try {
+      side_.call(side_.fn);
+    } catch (...) {
+      side_.error = std::current_exception();
+    }
+  }
+
+  // What the first thread posts; the others wait on the claims word.
+  struct Job {
     void (*call)(const void*, int64_t, int64_t) = nullptr;
     const void* fn = nullptr;
     int64_t begin = 0, end = 0, chunk = 0;
   } job_;
-  alignas(64) std::atomic<int64_t> pending_{0};
+  uint64_t posted_ = 0;
+  alignas(64) std::atomic<uint64_t> claims_{0};
+  alignas(64) std::atomic<int64_t> active_{0};
+  struct alignas(64) Side {
+    std::atomic<int> state{kSideIdle};
+    void (*call)(const void*) = nullptr;
+    const void* fn = nullptr;
+    std::exception_ptr error;
+  } side_;
   int64_t size_ = 1;
   std::exception_ptr error_;
   std::mutex error_mutex_;

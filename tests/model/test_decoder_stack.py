@@ -19,6 +19,7 @@ from tests.model.harness import BlockAllocator, Seq, run_step
 from tests.quantization.blocks import write_tiny_gguf
 from tests.torch_threads import intra_op_threads
 from tokenloom.config import ModelConfig
+from tokenloom.model import decoder_stack
 from tokenloom.model.attention import NATIVE_MAX_QUERY, AttentionMetadata
 from tokenloom.model.decoder_stack import DecoderStack, implemented_steps
 from tokenloom.model.kv_cache import allocate_kv_caches
@@ -87,20 +88,21 @@ def run_schedule(
     steps: list[list[tuple[int, int]]] = MIXED_STEPS,
 ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]], int]:
     """(logits of every step, the caches after, steps the stack ran) for ``steps``
-    over three random sequences."""
+    over random sequences."""
     model: Any = loaded.model
     stack = model.decoder_stack
     counter = CountingStack(stack.stack)
     stack.stack = counter
     model.decoder_stack = stack if use_stack else None
-    seq_len = max(sum(n for step in steps for seq, n in step if seq == i) for i in range(3))
+    count = 1 + max(seq for step in steps for seq, _ in step)
+    seq_len = max(sum(n for step in steps for seq, n in step if seq == i) for i in range(count))
     caches = allocate_kv_caches(
-        loaded.arch, 3 * -(-seq_len // BLOCK) + 1, BLOCK, cache_dtype, loaded.device
+        loaded.arch, count * -(-seq_len // BLOCK) + 1, BLOCK, cache_dtype, loaded.device
     )
     native_op = paged_attention_op(loaded.device, loaded.dtype, loaded.arch.head_dim)
     gen = torch.Generator().manual_seed(0)
     top = min(40000, loaded.arch.vocab_size)
-    seqs = [Seq(torch.randint(100, top, (seq_len,), generator=gen).tolist()) for _ in range(3)]
+    seqs = [Seq(torch.randint(100, top, (seq_len,), generator=gen).tolist()) for _ in range(count)]
     allocator = BlockAllocator(BLOCK)
     try:
         logits = [
@@ -144,6 +146,66 @@ def test_stack_equals_the_modules_bit_for_bit(
 ) -> None:
     assert isinstance(default_any.model.decoder_stack, DecoderStack)
     assert_stack_equals_modules(default_any, cache_dtype)
+
+
+# Steps of 20 and 3 decodes (after their prompts), which a stack told to
+# overlap from 2 decodes runs as two micro-batches: 8 + 12 rows, 1 + 2.
+OVERLAPPED_STEPS = [
+    [(i, 20 + i) for i in range(20)],
+    [(i, 1) for i in range(20)],
+    [(i, 1) for i in range(3)],
+]
+
+
+@pytest.mark.parametrize(
+    ("default_any", "cache_dtype"),
+    [("gguf", torch.float32), ("bfloat16", torch.bfloat16), ("float32", torch.float32)],
+    indirect=["default_any"],
+)
+def test_decodes_in_two_micro_batches_equal_the_modules_bit_for_bit(
+    default_any: LoadedModel, cache_dtype: torch.dtype
+) -> None:
+    model: Any = default_any.model
+    whole = model.decoder_stack
+    model.decoder_stack = DecoderStack(model, overlap_decodes_from=2)
+    try:
+        with intra_op_threads(2):  # a team of two, whose second thread attends
+            stacked, stacked_caches, calls = run_schedule(
+                default_any, cache_dtype, True, OVERLAPPED_STEPS
+            )
+            modules, module_caches, unused = run_schedule(
+                default_any, cache_dtype, False, OVERLAPPED_STEPS
+            )
+        assert model.decoder_stack.stack.micro_batched_steps() == 2
+    finally:
+        model.decoder_stack = whole
+    assert (calls, unused) == (len(OVERLAPPED_STEPS), 0)
+    for a, b in zip(stacked, modules, strict=True):
+        assert torch.equal(a, b)
+    for (k1, v1), (k2, v2) in zip(stacked_caches, module_caches, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize(("max_layer_bytes", "overlapped"), [(16 << 20, 1), (1 << 20, 0)])
+def test_steps_of_32_decodes_overlap_where_the_layers_are_small(
+    default_quantized: LoadedModel,
+    monkeypatch: pytest.MonkeyPatch,
+    max_layer_bytes: int,
+    overlapped: int,
+) -> None:
+    """The default GGUF's layers are 2.1 MiB: a step of 31 decodes runs whole, one
+    of 32 in two micro-batches, unless layers that small count as too large."""
+    monkeypatch.setattr(decoder_stack, "OVERLAP_MAX_LAYER_BYTES", max_layer_bytes)
+    model: Any = default_quantized.model
+    whole = model.decoder_stack
+    model.decoder_stack = DecoderStack(model)
+    steps = [[(i, 4) for i in range(32)], [(i, 1) for i in range(31)], [(i, 1) for i in range(32)]]
+    try:
+        with intra_op_threads(2):
+            run_schedule(default_quantized, torch.float32, True, steps)
+        assert model.decoder_stack.stack.micro_batched_steps() == overlapped
+    finally:
+        model.decoder_stack = whole
 
 
 @pytest.mark.parametrize("use_stack", [True, False])

@@ -110,6 +110,11 @@ class PanelProjection(nn.Module):
         """This projection as the native decoder stack takes it."""
         raise NotImplementedError
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weight as the kernel reads it."""
+        raise NotImplementedError
+
 
 @dataclass
 class DensePanels:

@@ -40,6 +40,10 @@ class QuantLinear(PanelProjection):
     def native_projection(self) -> object:
         return torch.classes.tokenloom_quant.QuantProjection(*self.qweight.kernel_args())
 
+    @property
+    def weight_bytes(self) -> int:
+        return self.qweight.nbytes
+
 
 class QuantEmbedding(PanelGather):
     """Gathers rows of a quantized [vocab, hidden] matrix as float32: the native
