@@ -384,6 +384,43 @@ def test_an_error_inside_a_step_reaches_the_caller_and_the_stack_serves_on(
         assert_stack_equals_modules(default_quantized, torch.float32)
 
 
+class LastSlotPastTheCache(CountingStack):
+    """As SlotsPastTheCache for the step's last row only: in two micro-batches,
+    the second's K/V write fails while the first attends beside it."""
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        slot_mapping = args[5].clone()
+        slot_mapping[-1] = 1 << 40
+        return super().forward(*args[:5], slot_mapping, *args[6:])
+
+
+@pytest.mark.timeout(300, method="thread")
+def test_an_error_beside_a_micro_batchs_attention_reaches_the_caller(
+    default_quantized: LoadedModel,
+) -> None:
+    model: Any = default_quantized.model
+    whole = model.decoder_stack
+    stack = DecoderStack(model, overlap_decodes_from=2)
+    native = stack.stack
+    native_op = paged_attention_op(default_quantized.device, torch.float32, 64)
+    seqs = [Seq(list(range(100 + 7 * i, 120 + 7 * i))) for i in range(3)]
+    caches = allocate_kv_caches(default_quantized.arch, 8, BLOCK, torch.float32, "cpu")
+    allocator = BlockAllocator(BLOCK)
+    model.decoder_stack = stack
+    with intra_op_threads(2):
+        try:
+            run_step(model, caches, allocator, [(seq, 19) for seq in seqs], native_op)
+            stack.stack = LastSlotPastTheCache(native)
+            with pytest.raises(RuntimeError, match="slot 1099511627776 out of range"):
+                run_step(model, caches, allocator, [(seq, 1) for seq in seqs], native_op)
+            assert native.micro_batched_steps() == 1
+        finally:
+            stack.stack = native
+            model.decoder_stack = whole
+        # The side task ended with the step: the team serves on.
+        assert_stack_equals_modules(default_quantized, torch.float32)
+
+
 # More threads than cores: a team of more than two, whose waiting threads
 # yield their cores (common/team.h), and a hang caught as in the test above.
 @pytest.mark.timeout(300, method="thread")

@@ -39,8 +39,8 @@ def implemented_steps() -> frozenset[str]:
 
 # Steps of at least this many decodes run as two micro-batches, one's attention
 # beside the other's projections (``DecoderStack::forward_split``): in steps
-# alternating with the whole batch, 32 to 128 decodes took 0.93-0.97x the time
-# and 12 took 1.09x.
+# alternating with the whole batch, 32 to 128 decodes took 0.93-1.00x the time
+# and 24 took 1.09x (docs/benchmarks.md).
 OVERLAP_MIN_DECODES = 32
 # ... where a layer's projections are at most this many bytes: the second
 # micro-batch re-reads them from L3 (32 MB on the Zen 4 measured), where a
