@@ -174,7 +174,8 @@ class DecoderStack : public torch::CustomClassHolder {
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(),
                 "h must be contiguous float32 [T, hidden]");
     const int64_t tokens = h.size(0);
-    Rows all{h, {}, {}, {}, {}, cos, sin, slot_mapping, table_rows, query_start, query_len, seq_lens};
+    Rows all{h, {}, {}, {}, {}, cos, sin,
+             slot_mapping, table_rows, query_start, query_len, seq_lens};
     const Caches caches{k_caches, v_caches, block_table};
     // One team of threads for the whole step (common/team.h): every kernel's
     // threads' work below goes to it, with no fork and join per kernel.
@@ -213,8 +214,8 @@ class DecoderStack : public torch::CustomClassHolder {
 
   // Whether keep_rows lists every row in order (a step of decodes: each row's logits).
   static bool keeps_every_row(CTensor keep_rows, int64_t tokens) {
-    if (keep_rows.dim() != 1 || keep_rows.size(0) != tokens || keep_rows.scalar_type() != at::kLong ||
-        !keep_rows.is_contiguous()) {
+    if (keep_rows.dim() != 1 || keep_rows.size(0) != tokens ||
+        keep_rows.scalar_type() != at::kLong || !keep_rows.is_contiguous()) {
       return false;
     }
     const int64_t* row = keep_rows.data_ptr<int64_t>();
