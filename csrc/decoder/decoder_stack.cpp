@@ -184,7 +184,10 @@ class DecoderStack : public torch::CustomClassHolder {
       const bool keeps_all = !keep_rows || keeps_every_row(*keep_rows, tokens);
       const int64_t split = keeps_all ? split_rows(tokens, query_start) : 0;
       micro_batched_steps_ += split > 0;
-      out = split > 0 ? forward_split(all, split, caches) : forward_whole(all, caches, keep_rows);
+      // Keeping every row is keeping none out: the last layer then needs no
+      // index_select or per-row metadata (a decode step's rows, each kept).
+      out = split > 0 ? forward_split(all, split, caches)
+                      : forward_whole(all, caches, keeps_all ? std::nullopt : keep_rows);
     });
     return out;
   }
