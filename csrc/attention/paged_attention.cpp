@@ -52,26 +52,32 @@ namespace {
 
 // Sixteen cache elements as float32 lanes. bfloat16 is the top half of a
 // float32; float16 converts with vcvtph2ps (F16C / AVX-512).
-typedef uint16_t half_lanes __attribute__((vector_size(kLanes * 2), aligned(2)));
-typedef uint32_t uint_lanes __attribute__((vector_size(kLanes * 4)));
+inline vec load_kv(const float* p) { return load(p); }
+#if defined(__AVX512F__)
 typedef _Float16 fp16_lanes __attribute__((vector_size(kLanes * 2), aligned(2)));
 
-inline vec load_kv(const float* p) { return load(p); }
 inline vec load_kv(const c10::BFloat16* p) {
-#if defined(__AVX512F__)
-  // GCC widens the vector type below in halves (two vpmovzxwd and an insert).
   const __m512i bits = _mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
   return reinterpret_cast<const vec&>(bits);
-#else
-  const uint_lanes bits = __builtin_convertvector(*reinterpret_cast<const half_lanes*>(p), uint_lanes)
-                          << 16;
-  return reinterpret_cast<const vec&>(bits);
-#endif
 }
 inline vec load_kv(const c10::Half* p) {
   return __builtin_convertvector(*reinterpret_cast<const fp16_lanes*>(p), vec);
 }
+#else
+// Eight 16-bit elements at p, zero-extended to 32-bit lanes.
+inline __m256i widen8(const void* p) {
+  return _mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+}
+inline vec load_kv(const c10::BFloat16* p) {
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(widen8(p), 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(widen8(p + kLanes / 2), 16))};
+}
+inline vec load_kv(const c10::Half* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kLanes / 2)))};
+}
+#endif
 
 // Without AVX512_BF16 (kBf16Dot below), a bfloat16 cache is read two rows at a
 // time: 32 elements as 16 32-bit lanes of two neighbours each. Shifting a lane
@@ -124,13 +130,14 @@ constexpr Queries kUnitQueries =
 template <int64_t D, typename T>
 constexpr Queries kDecodeQueries = kBf16Dot<D, T> ? Queries::kBf16Pairs : Queries::kFloats;
 
-typedef uint32_t pair_half __attribute__((vector_size(kLanes * 2), aligned(2)));
-typedef uint32_t pair_lanes __attribute__((vector_size(kLanes * 4), aligned(2)));
-
 // Elements 0, 2, .. 14 of a then of b (`even`), and 1, 3, .. 15 of each
 // (`odd`). Adjacent: b is a + 16, one load (GCC does not merge two).
 template <bool Adjacent>
 inline void load_pairs(const c10::BFloat16* a, const c10::BFloat16* b, vec& even, vec& odd) {
+#if defined(__AVX512F__)
+  typedef uint32_t uint_lanes __attribute__((vector_size(kLanes * 4)));
+  typedef uint32_t pair_half __attribute__((vector_size(kLanes * 2), aligned(2)));
+  typedef uint32_t pair_lanes __attribute__((vector_size(kLanes * 4), aligned(2)));
   uint_lanes both;
   if constexpr (Adjacent) {
     both = *reinterpret_cast<const pair_lanes*>(a);
@@ -142,6 +149,15 @@ inline void load_pairs(const c10::BFloat16* a, const c10::BFloat16* b, vec& even
   const uint_lanes first = both << 16, second = both & 0xffff0000u;
   even = reinterpret_cast<const vec&>(first);
   odd = reinterpret_cast<const vec&>(second);
+#else
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  const __m256i top = _mm256_set1_epi32(-65536);
+  even = {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+  odd = {_mm256_castsi256_ps(_mm256_and_si256(lo, top)),
+         _mm256_castsi256_ps(_mm256_and_si256(hi, top))};
+#endif
 }
 
 // The inverse of pairing: lanes i and i + 8 of `even` and of `odd` hold
@@ -149,10 +165,7 @@ inline void load_pairs(const c10::BFloat16* a, const c10::BFloat16* b, vec& even
 // second row's) in order.
 template <bool Second>
 inline vec unpair(vec even, vec odd) {
-  constexpr int o = Second ? 8 : 0;
-  return __builtin_shufflevector(even, odd, o + 0, o + 16, o + 1, o + 17, o + 2, o + 18, o + 3,
-                                 o + 19, o + 4, o + 20, o + 5, o + 21, o + 6, o + 22, o + 7,
-                                 o + 23);
+  return interleave<Second>(even, odd);
 }
 
 // Floats of one head's queries as score_tile reads them: D; with paired rows,
@@ -179,8 +192,7 @@ void prepare_queries(const float* q, int64_t heads, float scale, float* out) {
     } else if constexpr (L == Queries::kPairedRows) {
       for (int64_t d = 0; d < D; d += 2) {
         const vec first = vec{} + q[d] * scale, second = vec{} + q[d + 1] * scale;
-        store(out + d / 2 * kLanes, __builtin_shufflevector(first, second, 0, 1, 2, 3, 4, 5, 6, 7,
-                                                            24, 25, 26, 27, 28, 29, 30, 31));
+        store(out + d / 2 * kLanes, low_high(first, second));
       }
     } else {
       for (int64_t d = 0; d < D; ++d) out[d] = q[d] * scale;
@@ -549,7 +561,7 @@ inline void softmax_rows(float* scores, int64_t stride, int64_t n, int64_t padde
     vec peak_v = load(s);
     for (int64_t j = kLanes; j < padded; j += kLanes) {
       const vec x = load(s + j);
-      peak_v = x > peak_v ? x : peak_v;
+      peak_v = max(x, peak_v);
     }
     float peak = peak_v[0];
     for (int64_t l = 1; l < kLanes; ++l) peak = std::max(peak, peak_v[l]);

@@ -281,25 +281,33 @@ struct QuantWeight {
 
 typedef int8_t bvec __attribute__((vector_size(kLanes)));
 
-inline vec abs(vec v) {
-  const ivec bits = reinterpret_cast<const ivec&>(v) & 0x7fffffff;
-  return reinterpret_cast<const vec&>(bits);
-}
-inline vec max(vec a, vec b) { return a > b ? a : b; }
+inline vec abs(vec v) { return as_vec(as_ivec(v) & 0x7fffffff); }
 
 // Each lane's maximum over its run of Run (4, 8 or 16) lanes.
 template <int Run>
 vec run_max(vec v) {
   static_assert(Run == 4 || Run == 8 || Run == 16);
-  const ivec swap1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-  const ivec swap2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-  const ivec swap4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-  const ivec swap8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-  v = max(v, __builtin_shuffle(v, swap1));
-  v = max(v, __builtin_shuffle(v, swap2));
-  if (Run >= 8) v = max(v, __builtin_shuffle(v, swap4));
-  if (Run == 16) v = max(v, __builtin_shuffle(v, swap8));
+  v = max(v, swap_lanes<1>(v));
+  v = max(v, swap_lanes<2>(v));
+  if (Run >= 8) v = max(v, swap_lanes<4>(v));
+  if (Run == 16) v = max(v, swap_lanes<8>(v));
   return v;
+}
+
+// The lanes of q, whole numbers of at most 127 in magnitude, as bytes.
+inline bvec to_bytes(vec q) {
+#if defined(__AVX512F__)
+  return __builtin_convertvector(to_ivec(q), bvec);
+#else
+  const ivec whole = to_ivec(q);
+  // packs work within 128-bit halves: lanes 0-3, 8-11, 4-7, 12-15 as 16-bit
+  // words, put in order by the 64-bit permute.
+  const __m256i words = _mm256_permute4x64_epi64(
+      _mm256_packs_epi32(reinterpret_cast<__m256i>(whole.lo), reinterpret_cast<__m256i>(whole.hi)),
+      0xd8);
+  return reinterpret_cast<bvec>(
+      _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
+#endif
 }
 
 // The activations, quantized: per tile of kTileM rows and activation group,
@@ -392,11 +400,11 @@ struct QuantActs {
       // would take one more per 16 columns.
       const vec peak = run_max<Run>(amax);
       const vec d = peak * (1.0f / 127.0f);
-      const vec inverse = peak > 0.0f ? 127.0f / peak : vec{};  // an all-zero group stays zero
+      const vec inverse = select(peak > 0.0f, 127.0f / peak, vec{});  // an all-zero group stays zero
       bvec q8[Halves];
       for (int h = 0; h < Halves; ++h) {
         const vec q = (part[h] * inverse + magic) - magic;
-        q8[h] = __builtin_convertvector(__builtin_convertvector(q, ivec), bvec);
+        q8[h] = to_bytes(q);
         group_sum += d * q;
       }
       // The group's codes in the order its words hold them: for 4 bits, per
