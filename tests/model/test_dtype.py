@@ -1,6 +1,7 @@
 """What ``--dtype`` resolves to: the checkpoint's own dtype where the hardware
-computes in it, float32 where the CPU cannot multiply 16-bit floats, float16
-converted to bfloat16 where the CPU has no float16 arithmetic."""
+computes in it (bfloat16 also where the matmul widens it per tile), float32
+where the CPU cannot multiply 16-bit floats, float16 converted to bfloat16 where
+the CPU has no float16 arithmetic."""
 
 from __future__ import annotations
 
@@ -65,6 +66,24 @@ def test_auto_on_cpu_keeps_the_checkpoint_dtype_where_the_cpu_computes_in_it(
     resolved = resolve_dtype("auto", "cpu", checkpoint)
     assert resolved.dtype is expected
     assert why in resolved.why
+
+
+@pytest.mark.parametrize(
+    "checkpoint,expected,why",
+    [
+        ("bfloat16", BF16, "widened to float32 per tile"),
+        ("float16", FP32, "no bfloat16 dot products"),  # to bfloat16 would round it
+        (None, FP32, "the checkpoint names no dtype"),
+    ],
+)
+def test_auto_keeps_bfloat16_where_the_matmul_widens_it(
+    cpu, checkpoint: str | None, expected: torch.dtype, why: str
+) -> None:
+    cpu(bf16=False)
+    resolved = resolve_dtype("auto", "cpu", checkpoint, widens_bf16=True)
+    assert resolved.dtype is expected
+    assert why in resolved.why
+    assert resolve_dtype("float32", "cpu", checkpoint, widens_bf16=True).dtype is FP32
 
 
 def test_auto_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:

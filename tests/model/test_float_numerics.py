@@ -27,9 +27,10 @@ import torch
 
 from tests.model.harness import BlockAllocator, Seq, run_step
 from tokenloom.config import ModelConfig
-from tokenloom.model.dtype import cpu_has_native_bf16
+from tokenloom.model import dtype as dtype_mod
 from tokenloom.model.kv_cache import allocate_kv_caches
 from tokenloom.model.tokenizer import load_tokenizer
+from tokenloom.model_loader.forward_plan import ENV
 from tokenloom.model_loader.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.e2e
@@ -111,14 +112,27 @@ def test_auto_keeps_the_checkpoints_dtype_on_the_native_path(
 ) -> None:
     bf16 = load_model(ModelConfig(model=str(bf16_dir))).plan
     fp32 = load_model(ModelConfig(model=str(default_hf_model_dir))).plan
-    expected = "bfloat16" if cpu_has_native_bf16() else "float32"
     assert (bf16.weights, bf16.dtype, bf16.matmul, bf16.decoder) == (
-        expected,
+        "bfloat16",
         torch.float32,
         "native",
         "stack",
     )
     assert (fp32.weights, fp32.matmul, fp32.decoder) == ("float32", "native", "stack")
+
+
+def test_auto_without_bf16_dot_products_keeps_bf16_only_for_the_native_matmul(
+    bf16_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An AVX2 CPU: the dense kernel widens bfloat16 weights per tile (float32
+    arithmetic from half the bytes), but torch's bfloat16 matmul there is many
+    times slower than float32, so a model that runs torch's gets float32."""
+    monkeypatch.setattr(dtype_mod, "cpu_has_native_bf16", lambda: False)
+    assert load_model(ModelConfig(model=str(bf16_dir))).weights_dtype == torch.bfloat16
+    lora = load_model(ModelConfig(model=str(bf16_dir)), float_weights=True)
+    assert lora.weights_dtype == torch.float32 and lora.plan.matmul != "native"
+    monkeypatch.setenv(ENV, "matmul=torch")
+    assert load_model(ModelConfig(model=str(bf16_dir))).weights_dtype == torch.float32
 
 
 def test_bf16_logits_and_greedy_tokens_follow_transformers_in_bf16(bf16_dir: Path) -> None:

@@ -3,11 +3,13 @@
 ``resolve_dtype(name, device, checkpoint) -> ResolvedDtype``: the weights' dtype
 and why. "auto" keeps the checkpoint's own dtype (vLLM's meaning), except where
 the hardware cannot compute in it: on a CPU, bfloat16 needs bf16 dot products
-(AVX512_BF16 or AMX), else float32; float16 needs float16 arithmetic
-(AVX512_FP16 or AMX-FP16), else it becomes bfloat16 (or float32 without
-that either). A checkpoint that does not say its dtype (a GGUF's dequantized
-weights) gets bfloat16 where the CPU multiplies it, else float32. On CUDA, a
-16-bit dtype the GPU has. Explicit names are honoured, but for float16 on a
+(AVX512_BF16 or AMX) or a matmul that widens bfloat16 weights to float32 per
+tile (the native dense kernel, ``widens_bf16``: the products of float32
+arithmetic, from half the bytes), else float32; float16 needs float16
+arithmetic (AVX512_FP16 or AMX-FP16), else it becomes bfloat16 where the CPU
+multiplies that (or float32). A checkpoint that does not say its dtype (a
+GGUF's dequantized weights) gets bfloat16 where the CPU multiplies it, else
+float32. On CUDA, a 16-bit dtype the GPU has. Explicit names are honoured, but for float16 on a
 CPU without float16 arithmetic, which is converted to bfloat16 at load as vLLM
 does: emulated float16 matmuls are many times slower.
 
@@ -64,9 +66,13 @@ def cpu_has_native_fp16(cpuinfo: str | None = None) -> bool:
     return any(flag in _cpu_flags(cpuinfo) for flag in _FP16_CPU_FLAGS)
 
 
-def resolve_dtype(name: str, device: str, checkpoint: str | None = None) -> ResolvedDtype:
+def resolve_dtype(
+    name: str, device: str, checkpoint: str | None = None, widens_bf16: bool = False
+) -> ResolvedDtype:
     """The dtype to keep the weights in, for a ModelConfig.dtype ``name`` on
-    ``device``; ``checkpoint`` is the dtype the checkpoint says it stores."""
+    ``device``; ``checkpoint`` is the dtype the checkpoint says it stores;
+    ``widens_bf16``: this model's matmul keeps bfloat16 weights and widens them to
+    float32 in registers (the native dense kernel)."""
     if name != "auto" and name not in _NAMED:
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {name!r}")
     on_cuda = torch.device(device).type == "cuda"
@@ -89,6 +95,9 @@ def resolve_dtype(name: str, device: str, checkpoint: str | None = None) -> Reso
     if checkpoint == "bfloat16":
         if bf16:
             return ResolvedDtype(torch.bfloat16, "the checkpoint's dtype")
+        if widens_bf16:
+            why = f"the checkpoint's dtype; {no_bf16}: widened to float32 per tile"
+            return ResolvedDtype(torch.bfloat16, why)
         return ResolvedDtype(torch.float32, f"the checkpoint's bfloat16, but {no_bf16}")
     if checkpoint == "float16":
         if fp16:

@@ -40,7 +40,13 @@ from tokenloom.model.panel_linear import PANEL_DTYPES, use_native_matmul
 from tokenloom.model.paths import resolve_model_path
 from tokenloom.model.registry import model_class
 from tokenloom.model.safetensors_loader import iter_safetensors
-from tokenloom.model_loader.forward_plan import ENV, ForwardPlan, PlanInputs, decide_plan
+from tokenloom.model_loader.forward_plan import (
+    ENV,
+    ForwardPlan,
+    PlanInputs,
+    decide_plan,
+    parse_override,
+)
 from tokenloom.ops.cpu_kernels import (
     NATIVE_HEAD_DIMS,
     kernels_enabled,
@@ -94,11 +100,13 @@ def load_model(
             f"{arch.architecture} (a vision-language model) runs unquantized on one device: "
             "tensor_parallel_size must be 1 and quantization unset"
         )
+    tensor_parallel = 1 if shard is None else shard.world_size
     if quantization:
         weights_dtype, why = torch.float32, f"quantized ({quantization})"
     else:
+        widens_bf16 = _native_matmul_keeps_bf16(device, arch, tensor_parallel, float_weights)
         weights_dtype, why = resolve_dtype(
-            model_config.dtype, model_config.device, arch.checkpoint_dtype
+            model_config.dtype, model_config.device, arch.checkpoint_dtype, widens_bf16
         )
 
     local_arch = arch if shard is None else shard.local_arch(arch)
@@ -110,7 +118,7 @@ def load_model(
         weights_dtype,
         weights=quantization or str(weights_dtype).removeprefix("torch."),
         quantized=bool(quantization),
-        tensor_parallel=1 if shard is None else shard.world_size,
+        tensor_parallel=tensor_parallel,
         lora=float_weights,
         enforce_eager=model_config.enforce_eager,
     )
@@ -190,18 +198,11 @@ def plan_inputs(
     with these weights and this process's kernels allow."""
     unavailable: dict[str, str] = {}
     native = _native_refusal(device)
-    if native is not None:
-        unavailable["matmul=native"] = native
-    elif not quantized and weights_dtype not in PANEL_DTYPES:
-        unavailable["matmul=native"] = "the native matmul keeps bfloat16 or float32 weights"
-    elif not quantized and tensor_parallel > 1:
-        unavailable["matmul=native"] = "tensor-parallel ranks shard nn.Linear weights"
-    elif not quantized and lora:
-        unavailable["matmul=native"] = "LoRA adds its updates to nn.Linear weights"
-    elif not quantized and model.arch.vision is not None:
-        unavailable["matmul=native"] = (
-            "a vision-language model's vision tower computes in the weights' dtype"
-        )
+    matmul = _native_matmul_refusal(
+        device, model.arch, weights_dtype, quantized, tensor_parallel, lora
+    )
+    if matmul is not None:
+        unavailable["matmul=native"] = matmul
     if not quantized and not prepacking_available(device, weights_dtype):
         unavailable["matmul=mkl"] = "MKL's packed sgemm serves float32 on a CPU build with MKL"
     if importlib.util.find_spec("triton") is None:
@@ -233,6 +234,41 @@ def plan_inputs(
             i for i, layer in enumerate(layers) if not layer.self_attn.takes_native_kernel
         ),
     )
+
+
+def _native_matmul_keeps_bf16(
+    device: torch.device, arch: ModelArchConfig, tensor_parallel: int, lora: bool
+) -> bool:
+    """Whether bfloat16 weights would run through the native dense kernel, which
+    widens them to float32 per tile where the CPU has no bfloat16 dot products
+    (unless ``TOKENLOOM_FORWARD_PLAN`` asks for another matmul)."""
+    if parse_override(os.environ.get(ENV)).get("matmul", "native") != "native":
+        return False
+    refusal = _native_matmul_refusal(device, arch, torch.bfloat16, False, tensor_parallel, lora)
+    return refusal is None
+
+
+def _native_matmul_refusal(
+    device: torch.device,
+    arch: ModelArchConfig,
+    weights_dtype: torch.dtype,
+    quantized: bool,
+    tensor_parallel: int = 1,
+    lora: bool = False,
+) -> str | None:
+    """Why the native matmul cannot multiply these weights (None: it can)."""
+    native = _native_refusal(device)
+    if native is not None or quantized:
+        return native
+    if weights_dtype not in PANEL_DTYPES:
+        return "the native matmul keeps bfloat16 or float32 weights"
+    if tensor_parallel > 1:
+        return "tensor-parallel ranks shard nn.Linear weights"
+    if lora:
+        return "LoRA adds its updates to nn.Linear weights"
+    if arch.vision is not None:
+        return "a vision-language model's vision tower computes in the weights' dtype"
+    return None
 
 
 def _native_refusal(device: torch.device) -> str | None:
