@@ -297,18 +297,26 @@ struct DenseActs {
   }
 };
 
-// Up to 16 lanes of silu(gate) * up, as layer_ops' silu_and_mul computes them.
-inline void silu_lanes(const float* gate, const float* up, float* out, int64_t count) {
-  if (count == kLanes) {
-    store(out, silu_times(load(gate), load(up)));
-    return;
-  }
-  float g[kLanes] = {}, u[kLanes] = {}, o[kLanes];
-  std::copy(gate, gate + count, g);
-  std::copy(up, up + count, u);
-  store(o, silu_times(load(g), load(u)));
-  std::copy(o, o + count, out);
+// silu(gate) * up, as layer_ops' silu_and_mul computes it, over one vector of
+// output rows of two tile rows at once where a vector is half a vec (AVX2:
+// the second row's is the other half; a last odd row is taken twice), else
+// of one row (its own twice).
+#if defined(__AVX512F__)
+constexpr int64_t kSiluRows = 1;
+inline void silu_vectors(const float* gate, const float*, const float* up, const float*, float* y,
+                         float*) {
+  store(y, silu_times(load(gate), load(up)));
 }
+#else
+constexpr int64_t kSiluRows = 2;
+inline void silu_vectors(const float* gate, const float* gate2, const float* up, const float* up2,
+                         float* y, float* y2) {
+  const vec both = silu_times(vec{_mm256_loadu_ps(gate), _mm256_loadu_ps(gate2)},
+                              vec{_mm256_loadu_ps(up), _mm256_loadu_ps(up2)});
+  _mm256_storeu_ps(y, both.lo);
+  _mm256_storeu_ps(y2, both.hi);
+}
+#endif
 
 // y [rows, n_out] (or [rows, n_out / 2] with silu_pairs) from the panels,
 // in tiles of at most TileM rows by NVU output vectors. A unit is NVU output
@@ -371,11 +379,15 @@ void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const Dense
       }
       any_tile<K, NVU, TileM, A>(tile_rows, NVU, w, words, x, a.stride, out, NVU * kRowsPerVec,
                                  next);
-      for (int64_t r = 0; r < tile_rows; ++r) {
+      for (int64_t r = 0; r < tile_rows; r += kSiluRows) {
+        const int64_t r2 = std::min(r + kSiluRows - 1, tile_rows - 1);
         const float* o = out + r * NVU * kRowsPerVec;
+        const float* o2 = out + r2 * NVU * kRowsPerVec;
+        float* yr = y + (m + r) * out_cols + u * kHalf * kRowsPerVec;
+        float* yr2 = y + (m + r2) * out_cols + u * kHalf * kRowsPerVec;
         for (int j = 0; j < kHalf; ++j) {
-          silu_lanes(o + j * kRowsPerVec, o + (kHalf + j) * kRowsPerVec,
-                     y + (m + r) * out_cols + (u * kHalf + j) * kRowsPerVec, kRowsPerVec);
+          const int64_t gate = j * kRowsPerVec, up = (kHalf + j) * kRowsPerVec;
+          silu_vectors(o + gate, o2 + gate, o + up, o2 + up, yr + gate, yr2 + gate);
         }
       }
       return;
