@@ -135,6 +135,8 @@ def main() -> None:
     ap.add_argument("--host-time", action="store_true", help="host time per engine step")
     ap.add_argument("--rounds", type=int, default=3, help="--host-time: ABBA rounds")
     args = ap.parse_args()
+    if args.profile_steps < 1:
+        ap.error("--profile-steps must be at least 1 (the op table averages over them)")
     if args.host_time:
         host_time(args)
         return
