@@ -2,11 +2,11 @@
 //
 // With AVX-512 a `vec` is GCC's vector extension type, one zmm register. With
 // AVX2 it is a pair of 8-float halves, each a ymm register, behind the same
-// operators: GCC has no register for a 64-byte vector type without AVX-512, so
-// it kept such values on the stack and built every broadcast there, and the
-// attention kernel ran several times slower than its arithmetic. Kernels write
-// their lanes' math with the operators and the functions below (select, max,
-// the bit casts, lane access), which compile to either.
+// operators: GCC has no register for a 64-byte vector type without AVX-512; it
+// keeps such values on the stack and builds every broadcast there, several
+// times slower than the arithmetic. Kernels write their lanes' math with the
+// operators and the functions below (select, max, the bit casts, lane
+// access), which compile to either.
 #pragma once
 
 #include <immintrin.h>
