@@ -65,7 +65,6 @@ struct vec {
 };
 struct ivec {
   half_ivec lo, hi;
-  int32_t operator[](int64_t i) const { return i < kLanes / 2 ? lo[i] : hi[i - kLanes / 2]; }
 };
 
 inline vec load(const float* p) {
@@ -84,8 +83,6 @@ inline vec operator/(vec a, vec b) { return {a.lo / b.lo, a.hi / b.hi}; }
 inline vec operator+(vec a, float s) { return {a.lo + s, a.hi + s}; }
 inline vec operator-(vec a, float s) { return {a.lo - s, a.hi - s}; }
 inline vec operator*(vec a, float s) { return {a.lo * s, a.hi * s}; }
-inline vec operator/(vec a, float s) { return {a.lo / s, a.hi / s}; }
-inline vec operator*(float s, vec a) { return {s * a.lo, s * a.hi}; }
 inline vec operator/(float s, vec a) { return {s / a.lo, s / a.hi}; }
 inline vec operator-(vec a) { return {-a.lo, -a.hi}; }
 inline vec& operator+=(vec& a, vec b) { return a = a + b; }
