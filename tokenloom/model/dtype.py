@@ -9,9 +9,9 @@ arithmetic, from half the bytes), else float32; float16 needs float16
 arithmetic (AVX512_FP16 or AMX-FP16), else it becomes bfloat16 where the CPU
 multiplies that (or float32). A checkpoint that does not say its dtype (a
 GGUF's dequantized weights) gets bfloat16 where the CPU multiplies it, else
-float32. On CUDA, a 16-bit dtype the GPU has. Explicit names are honoured, but for float16 on a
-CPU without float16 arithmetic, which is converted to bfloat16 at load as vLLM
-does: emulated float16 matmuls are many times slower.
+float32. On CUDA, a 16-bit dtype the GPU has. Explicit names are honoured, but
+for float16 on a CPU without float16 arithmetic, which is converted to bfloat16
+at load as vLLM does: emulated float16 matmuls are many times slower.
 
 What the activations compute in is the forward plan's (``model_loader``): float32
 around the native kernels, whatever the weights.

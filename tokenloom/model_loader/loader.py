@@ -253,8 +253,8 @@ def _native_matmul_refusal(
     arch: ModelArchConfig,
     weights_dtype: torch.dtype,
     quantized: bool,
-    tensor_parallel: int = 1,
-    lora: bool = False,
+    tensor_parallel: int,
+    lora: bool,
 ) -> str | None:
     """Why the native matmul cannot multiply these weights (None: it can)."""
     native = _native_refusal(device)
