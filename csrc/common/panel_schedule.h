@@ -118,12 +118,18 @@ struct NextUnitShare {
 };
 constexpr NextUnitShare kNoNextUnit{-1, 0, 1};
 
+// Activation rows in a block, for tiles of tile_m rows whose activations
+// take tile_bytes.
+inline int64_t block_rows(int64_t tile_m, int64_t tile_bytes) {
+  return tile_m * std::max<int64_t>(1, kBlockBytes / tile_bytes);
+}
+
 // unit_bytes: the weights of one unit; tile_bytes: the activations of tile_m rows.
 template <class Tile>
 void run_panel_tiles(int64_t units, int64_t rows, int64_t tile_m, int64_t unit_bytes,
                      int64_t tile_bytes, const Tile& tile) {
   const int64_t block_units = std::max<int64_t>(1, kBlockBytes / unit_bytes);
-  const int64_t block_rows = tile_m * std::max<int64_t>(1, kBlockBytes / tile_bytes);
+  const int64_t block_rows = tokenloom::block_rows(tile_m, tile_bytes);
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), units);
   // One block of rows: each unit's tiles in turn, the units in runs, whose
   // weights stream through once. A thread's next unit is the next one of its

@@ -44,8 +44,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "common/denormals.h"
 #include "common/panel_schedule.h"
@@ -165,6 +167,49 @@ constexpr int64_t kTileM = 8;
 template <Kind K>
 constexpr int64_t kTileM = K == Kind::kFloat32 ? 6 : 4;
 #endif
+
+// Bytes of the activations of tile_m rows as a tile of kind K reads them.
+constexpr int64_t activation_tile_bytes(Kind k, int64_t tile_m, int64_t words) {
+  return tile_m * words * kWordBytes * (k == Kind::kBf16Dot ? 1 : 2);
+}
+
+// Where float32 tiles are taller than widened bfloat16 ones (AVX2), a step
+// of many rows widens each unit's bfloat16 weights to float32 once, into a
+// buffer this thread keeps, and runs the float32 tiles over it. The products
+// are the same FMAs in the same order (a word's even column, then its odd
+// one), so the same bits. A widening pays where it serves at least
+// kWidenMinTiles tiles: the tiles of one unit within one block of rows
+// (panel_schedule.h). The default model's bfloat16 export, main workload
+// (`LLM.generate`, builds alternating): 1.09-1.17x the output tokens per
+// second of widening every tile in registers, as fast as float32 weights. With
+// fewer tiles, as in a decode step of a few rows (bound by the weights'
+// bytes) or with Llama-3.2-1B's long rows (K = 2,048 holds five tiles a
+// block), the tiles widen in registers: a matrix kept in the caches ran
+// 0.89-0.95x as fast widened first at 16 rows, the 1B shape's at 0.75-0.93x.
+// Units of one panel (AVX2's two vectors of 8 rows), so that the buffer is a
+// float32 panel: per column, the unit's vectors side by side in kWordStep bytes.
+constexpr bool kWidenUnits = kTileM<Kind::kBf16Widened> < kTileM<Kind::kFloat32>;
+constexpr int64_t kWidenMinTiles = 6;
+
+// The unit a thread widened last, kept while that unit's tiles run.
+struct WidenedUnit {
+  uint64_t call = 0;  // which matmul: a later one may find other weights at the same addresses
+  int64_t unit = -1;
+  std::vector<float> columns;
+};
+inline std::atomic<uint64_t> widening_calls{0};
+
+// The nv vectors at w[j], each `words` bfloat16 pairs, as float32 columns.
+void widen_unit(const uint8_t* const* w, int64_t nv, int64_t words, float* columns) {
+  for (int64_t t = 0; t < words; ++t) {
+    float* even = columns + 2 * t * kPanel;
+    for (int64_t j = 0; j < nv; ++j) {
+      const ivec_t v = load_i(w[j] + t * kWordStep);
+      store_f(even + j * kRowsPerVec, even_half(v));
+      store_f(even + kPanel + j * kRowsPerVec, odd_half(v));
+    }
+  }
+}
 
 // out[r * out_stride + j * kRowsPerVec + i], for activation rows r < MR
 // and lane i of the NV output vectors at w[j]: the products over `words`
@@ -333,10 +378,38 @@ inline void silu_vectors(const float* gate, const float* gate2, const float* up,
 // vectors: consecutive ones, or with silu_pairs NVU / 2 consecutive vectors
 // of the gate half and the same vectors of the up half, whose products the
 // tile's epilogue writes.
-template <Kind K, int NVU, int TileM, Ahead A>
+//
+// WidenUnits (K is kBf16Widened): float32 tiles over each unit widened first
+// (kWidenUnits).
+template <Kind K, int NVU, int TileM, Ahead A, bool WidenUnits = false>
 void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const DenseActs& a,
                 int64_t rows, float* y, bool silu_pairs) {
+  static_assert(!WidenUnits || (K == Kind::kBf16Widened && NVU * kRowsPerVec == kPanel),
+                "a widened unit is one float32 panel of bfloat16 weights");
   constexpr int kHalf = NVU / 2;
+  const uint64_t call = WidenUnits ? ++widening_calls : 0;
+  // The tile over vectors w[0..nv) of unit u, widened first where asked.
+  const auto run_tile = [&](int64_t u, const uint8_t* const* w, int64_t nv, int64_t tile_rows,
+                            const void* x, float* out, int64_t out_stride,
+                            const NextUnitRequest& next) {
+    if constexpr (WidenUnits) {
+      static thread_local WidenedUnit widened;
+      if (widened.call != call || widened.unit != u) {
+        widened.columns.resize(2 * words * kPanel);
+        widen_unit(w, nv, words, widened.columns.data());
+        widened.call = call;
+        widened.unit = u;
+      }
+      const uint8_t* columns[NVU];
+      for (int j = 0; j < NVU; ++j) {
+        columns[j] = reinterpret_cast<const uint8_t*>(widened.columns.data() + j * kRowsPerVec);
+      }
+      any_tile<Kind::kFloat32, NVU, TileM, A>(tile_rows, nv, columns, 2 * words, x, a.stride, out,
+                                              out_stride, next);
+    } else {
+      any_tile<K, NVU, TileM, A>(tile_rows, nv, w, words, x, a.stride, out, out_stride, next);
+    }
+  };
   const int64_t vecs = (n_out + kRowsPerVec - 1) / kRowsPerVec;
   const int64_t half_vecs = n_out / 2 / kRowsPerVec;
   const int64_t units = silu_pairs ? half_vecs / kHalf : (vecs + NVU - 1) / NVU;
@@ -344,7 +417,7 @@ void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const Dense
   const int64_t panel_bytes = words * kWordStep;
   const auto vec_at = [&](int64_t v) { return panel_row(panels, words, v * kRowsPerVec); };
   const int64_t unit_bytes = panel_bytes * NVU * kRowsPerVec / kPanel;
-  const int64_t tile_bytes = TileM * words * kWordBytes * (K == Kind::kBf16Dot ? 1 : 2);
+  const int64_t tile_bytes = activation_tile_bytes(K, TileM, words);
   // The panels holding output vector v and those after it (panels follow one
   // another; on AVX2 a silu unit's gate vector is half a panel, whose words
   // interleave with the other half's, so its span is the whole panel).
@@ -387,8 +460,7 @@ void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const Dense
         w[j] = vec_at(u * kHalf + j);
         w[kHalf + j] = vec_at(u * kHalf + j + half_vecs);
       }
-      any_tile<K, NVU, TileM, A>(tile_rows, NVU, w, words, x, a.stride, out, NVU * kRowsPerVec,
-                                 next);
+      run_tile(u, w, NVU, tile_rows, x, out, NVU * kRowsPerVec, next);
       for (int64_t r = 0; r < tile_rows; r += kSiluRows) {
         const int64_t r2 = std::min(r + kSiluRows - 1, tile_rows - 1);
         const float* o = out + r * NVU * kRowsPerVec;
@@ -406,11 +478,10 @@ void dense_gemm(const uint8_t* panels, int64_t words, int64_t n_out, const Dense
     for (int64_t j = 0; j < nv; ++j) w[j] = vec_at(v0 + j);
     // Whole vectors go straight to y; a ragged last unit through `out`.
     if (count == nv * kRowsPerVec) {
-      any_tile<K, NVU, TileM, A>(tile_rows, nv, w, words, x, a.stride, y + m * out_cols + n0,
-                                 out_cols, next);
+      run_tile(u, w, nv, tile_rows, x, y + m * out_cols + n0, out_cols, next);
       return;
     }
-    any_tile<K, NVU, TileM, A>(tile_rows, nv, w, words, x, a.stride, out, nv * kRowsPerVec, next);
+    run_tile(u, w, nv, tile_rows, x, out, nv * kRowsPerVec, next);
     for (int64_t r = 0; r < tile_rows; ++r) {
       std::memcpy(y + (m + r) * out_cols + n0, out + r * nv * kRowsPerVec, count * sizeof(float));
     }
@@ -426,6 +497,16 @@ template <Kind K>
 void dense_gemm_any(const uint8_t* panels, int64_t words, int64_t n_out, const DenseActs& a,
                     int64_t rows, float* y, bool silu_pairs) {
   constexpr int64_t tile = kTileM<K>;
+  if constexpr (K == Kind::kBf16Widened && kWidenUnits) {
+    constexpr int64_t wide = kTileM<Kind::kFloat32>;
+    const int64_t tiles = std::min((rows + wide - 1) / wide,
+                                   block_rows(wide, activation_tile_bytes(K, wide, words)) / wide);
+    if (tiles >= kWidenMinTiles) {
+      dense_gemm<K, kVecsPerUnit, kTileM<Kind::kFloat32>, Ahead::kPage, true>(panels, words, n_out,
+                                                                              a, rows, y, silu_pairs);
+      return;
+    }
+  }
   if (rows > tile / 2) {
     dense_gemm<K, kVecsPerUnit, tile, Ahead::kPage>(panels, words, n_out, a, rows, y, silu_pairs);
     return;

@@ -143,6 +143,33 @@ def test_few_rows_in_one_panel_tiles_sum_as_many_rows_do(dtype: torch.dtype) -> 
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_many_rows_over_several_blocks_keep_each_rows_bits(
+    dtype: torch.dtype, threads: int
+) -> None:
+    """Many rows run in blocks of rows, and on AVX2 bfloat16 weights are widened
+    to float32 a unit at a time for taller tiles: each row still equals the
+    same row computed alone (widened in registers), plainly and with the fused
+    SwiGLU, K odd and the last unit ragged; and a matmul over other weights
+    right after gets its own weights' products."""
+    k, rows = 1537, 100  # about 42 rows a block
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(6))
+    with intra_op_threads(threads):
+        # 13: one unit, which both weights' matmuls widen first
+        for n, silu in ((77, False), (13, False), (96, True)):
+            ops = torch.ops.tokenloom_cpu
+            matmul = ops.dense_linear_silu if silu else ops.dense_linear
+            for seed in (7, 8):
+                plain = weight(n, k, dtype, seed)
+                w = pack_panels(plain)
+                many = matmul(x, w, k, n)
+                if not silu:
+                    assert_fp32_close(many, reference(x, plain), k)
+                alone = torch.cat([matmul(x[i : i + 1], w, k, n) for i in range(rows)])
+                assert torch.equal(many, alone), (n, silu)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("threads", [3, 4])
 @pytest.mark.parametrize("rows", [1, 3, 8, 20])  # 20: three tiles a unit
 def test_decode_rows_are_exact_when_threads_take_over_each_others_runs(
