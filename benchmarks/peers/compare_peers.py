@@ -611,11 +611,12 @@ busy machine than wall time, though spin-waiting threads inflate it.
   warm-up (4 prompts x 32 tokens, 8 output tokens) are not timed. The prefix cache is
   reset before every timed run (vLLM: `reset_prefix_cache()`; tokenloom: the scheduler's
   reset, when reachable), so repeats never reuse a previous run's cache.
-- Weights: the GGUF `{Path(args.gguf).name}`. vLLM and transformers read the fp32
-  HF export of the bundled model made by `benchmarks/peers/export_hf.py` (vLLM runs it
-  in {args.vllm_dtype}); tokenloom reads `{Path(args.tokenloom_model or args.gguf).name}` with
-  `--dtype {args.tokenloom_dtype}` (float32: dequantized; auto: its quantized weights where
-  supported), KV cache `{args.kv_cache_dtype}`; llama.cpp runs the GGUF's quantized weights as is.
+- Weights: vLLM and transformers read the Hugging Face directory `{args.hf_model.name}`
+  (vLLM in {args.vllm_dtype}); tokenloom reads `{Path(args.tokenloom_model or args.gguf).name}`
+  with `--dtype {args.tokenloom_dtype}` (a GGUF: auto keeps its quantized weights where
+  supported, float32 or bfloat16 dequantize them; a Hugging Face directory: auto keeps the
+  checkpoint's dtype), KV cache `{args.kv_cache_dtype}`; llama.cpp runs the GGUF
+  `{Path(args.gguf).name}`'s quantized weights as is.
 - vLLM: CPU build in its own venv, `VLLM_CPU_OMP_THREADS_BIND=0-1`, prefix caching on,
   `LLM.generate` on token-id prompts. transformers: static batches in workload order,
   left-padded, each batch decoding to its longest request; one run per batch size

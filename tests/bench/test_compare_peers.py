@@ -80,6 +80,7 @@ def test_write_report_table_and_chart(tmp_path):
         idle_wait=1.0,
         note="noisy",
         gguf="model.gguf",
+        hf_model=Path("exports/smollm2-hf-bf16"),
         tokenloom_model=None,
         tokenloom_dtype="auto",
         kv_cache_dtype="auto",
@@ -98,7 +99,8 @@ def test_write_report_table_and_chart(tmp_path):
     assert '"main": 7 requests' in text
     assert "| tokenloom | shared-prefix | 4.0 | 12.0 | 1.00 | 1.00x | 50% |" in text
     assert "cmd x" in text and "Note: noisy" in text
-    assert "the GGUF `model.gguf`" in text and "vLLM runs it\n  in bfloat16" in text
+    assert "directory `smollm2-hf-bf16`\n  (vLLM in bfloat16)" in text
+    assert "tokenloom reads `model.gguf`" in text and "the GGUF\n  `model.gguf`'s" in text
     assert "Median of the runs (2 rounds of 3, each engine's place in the order reversed" in text
     assert (tmp_path / "peers.png").read_bytes()[:4] == b"\x89PNG"
 
