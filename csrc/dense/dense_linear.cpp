@@ -17,8 +17,10 @@
 //   FMA's rate.
 // - bfloat16 without it (AVX2, AVX-512 before Zen 4 / Cooper Lake): each word
 //   is widened in registers (a bfloat16 is the top half of a float32: a shift
-//   and a mask) and multiplied by the float32 activations with two FMAs. The
-//   weights stay 16-bit in memory, where a batch-1 step reads them.
+//   and a mask) and multiplied by the float32 activations with two FMAs; on
+//   AVX2, steps of many rows widen a unit of panels at a time into a buffer
+//   and run the float32 tiles (kWidenUnits). The weights stay 16-bit in
+//   memory, where a batch-1 step reads them.
 // - float32: one FMA per word.
 //
 // A tile is up to kTileM activation rows by two vectors of output rows (two
