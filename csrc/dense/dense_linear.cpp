@@ -187,7 +187,8 @@ constexpr int64_t activation_tile_bytes(Kind k, int64_t tile_m, int64_t words) {
 // fewer tiles, as in a decode step of a few rows (bound by the weights'
 // bytes) or with Llama-3.2-1B's long rows (K = 2,048 holds five tiles a
 // block), the tiles widen in registers: a matrix kept in the caches ran
-// 0.89-0.95x as fast widened first at 16 rows, the 1B shape's at 0.75-0.93x.
+// 0.89-0.95x as fast widened first at 16 rows, the 1B shape's at 9 to 512
+// rows 0.74-0.96x (its down projection, K = 8,192, one tile a block: 0.5x).
 // Units of one panel (AVX2's two vectors of 8 rows), so that the buffer is a
 // float32 panel: per column, the unit's vectors side by side in kWordStep bytes.
 constexpr bool kWidenUnits = kTileM<Kind::kBf16Widened> < kTileM<Kind::kFloat32>;
