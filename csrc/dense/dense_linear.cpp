@@ -183,12 +183,12 @@ constexpr int64_t activation_tile_bytes(Kind k, int64_t tile_m, int64_t words) {
 // kWidenMinTiles tiles: the tiles of one unit within one block of rows
 // (panel_schedule.h). The default model's bfloat16 export, main workload
 // (`LLM.generate`, builds alternating): 1.09-1.17x the output tokens per
-// second of widening every tile in registers, as fast as float32 weights. With
-// fewer tiles, as in a decode step of a few rows (bound by the weights'
-// bytes) or with Llama-3.2-1B's long rows (K = 2,048 holds five tiles a
-// block), the tiles widen in registers: a matrix kept in the caches ran
-// 0.89-0.95x as fast widened first at 16 rows, the 1B shape's at 9 to 512
-// rows 0.74-0.96x (its down projection, K = 8,192, one tile a block: 0.5x).
+// second of widening every tile in registers, as fast as float32 weights.
+// Fewer tiles widen in registers: a decode step of a few rows is bound by the
+// weights' bytes, and Llama-3.2-1B's rows (K = 2,048) hold five tiles a block.
+// Widening from three tiles ran the default model's main workload 1.02-1.08x
+// faster still but the 1B shape's (32 requests) at 0.95-0.96x; its down
+// projection (K = 8,192, one tile a block) ran at 0.5x in `kernel_ab.py`.
 // Units of one panel (AVX2's two vectors of 8 rows), so that the buffer is a
 // float32 panel: per column, the unit's vectors side by side in kWordStep bytes.
 constexpr bool kWidenUnits = kTileM<Kind::kBf16Widened> < kTileM<Kind::kFloat32>;
