@@ -505,8 +505,8 @@ void dense_gemm_any(const uint8_t* panels, int64_t words, int64_t n_out, const D
     const int64_t tiles = std::min((rows + wide - 1) / wide,
                                    block_rows(wide, activation_tile_bytes(K, wide, words)) / wide);
     if (tiles >= kWidenMinTiles) {
-      dense_gemm<K, kVecsPerUnit, kTileM<Kind::kFloat32>, Ahead::kPage, true>(panels, words, n_out,
-                                                                              a, rows, y, silu_pairs);
+      dense_gemm<K, kVecsPerUnit, wide, Ahead::kPage, true>(panels, words, n_out, a, rows, y,
+                                                            silu_pairs);
       return;
     }
   }
